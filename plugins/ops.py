@@ -1,0 +1,113 @@
+"""MicroSpec's custom ops (torch.library), with the plain-torch reference that the CPU path runs.
+
+The reference implementations are themselves free of host synchronisation and have static shapes, so they
+can be captured in CUDA graphs too; `plugins.cuda` registers fused CUDA kernels for the same ops when the
+extension builds (GPU machines only) and the tests / device checks compare the two on random inputs.
+
+Window state (all device tensors; one sentinel entry at the end of each array absorbs padded writes):
+  ring    [W+1]  int64  the last W stream entries (-1 = empty); ring[W] is the sentinel
+  head    [1]    int64  number of entries ever appended
+  count   [V+1]  int32  how many times each id occurs in the ring
+  slot_of [V+1]  int64  packed-buffer slot of each active id, -1 if inactive
+  id_of   [R+1]  int64  id held by each packed slot, -1 if free
+Pinned ids (EOS ...) get a slot and a count of 1 at start that no eviction removes, so they never leave.
+  first   [V+1]  int64  scratch for first-occurrence de-duplication, all = BIG between calls
+"""
+from __future__ import annotations
+
+import torch
+
+BIG = 1 << 62
+
+
+@torch.library.custom_op("microspec::unique_first", mutates_args=("first",))
+def unique_first(ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """ids [n] (-1 = padding) -> same ids with every repeat after the first occurrence replaced by -1."""
+    n = ids.numel()
+    sentinel = first.numel() - 1
+    safe = torch.where(ids >= 0, ids, sentinel)
+    idx = torch.arange(n, device=ids.device)
+    first.scatter_reduce_(0, safe, idx, reduce="amin")
+    keep = (first[safe] == idx) & (ids >= 0)
+    first.index_fill_(0, safe, BIG)  # leave the scratch clean for the next call
+    return torch.where(keep, ids, -1)
+
+
+@unique_first.register_fake
+def _(ids, first):
+    return torch.empty_like(ids)
+
+
+@torch.library.custom_op("microspec::window_update",
+                         mutates_args=("ring", "head", "count", "slot_of", "id_of", "first"))
+def window_update(ring: torch.Tensor, head: torch.Tensor, count: torch.Tensor, slot_of: torch.Tensor,
+                  id_of: torch.Tensor, first: torch.Tensor, new_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append new_ids (-1 = padding, skipped) to the FIFO stream, evict what falls out of the window, and
+    give newly active ids a free slot. Returns (ids, slots) [2n] of rows to gather (slot = R for padding)."""
+    W, V, R = ring.numel() - 1, count.numel() - 1, id_of.numel() - 1
+    valid = new_ids >= 0
+    rank = torch.cumsum(valid.long(), 0) - 1
+    m = rank[-1:] + 1 if new_ids.numel() else head * 0
+    keep = valid & (rank >= m - W)  # only the last W entries of one append can stay in the window
+    pos = torch.where(keep, (head + rank) % W, W)
+    old = ring[pos]
+    evicted = torch.where(keep, old, -1)  # the entry this one overwrites (-1 while the ring is filling)
+    count.index_add_(0, torch.where(evicted >= 0, evicted, V), torch.full_like(evicted, -1, dtype=count.dtype))
+    ring.index_copy_(0, pos, torch.where(keep, new_ids, -1))
+    added = torch.where(keep, new_ids, -1)
+    count.index_add_(0, torch.where(added >= 0, added, V), torch.ones_like(added, dtype=count.dtype))
+    count[V] = 0
+    ring[W] = -1
+    head.add_(m)
+
+    touched = torch.cat([evicted, added])
+    safe = torch.where(touched >= 0, touched, V)
+    # free the slots of ids that left the window (idempotent, so repeats need no de-duplication)
+    gone = (touched >= 0) & (count[safe] == 0) & (slot_of[safe] >= 0)
+    id_of.index_fill_(0, torch.where(gone, slot_of[safe], R), -1)
+    slot_of.index_fill_(0, torch.where(gone, safe, V), -1)
+    # give each id that entered the window (counted once) the next free slot, in order of appearance
+    fresh = unique_first(torch.where((touched >= 0) & (count[safe] > 0) & (slot_of[safe] < 0), touched, -1), first)
+    is_new = fresh >= 0
+    free = id_of[:R] < 0
+    free_rank = torch.cumsum(free.long(), 0) - 1
+    slot_by_rank = torch.full((R + 1,), R, dtype=torch.long, device=ring.device)
+    slot_by_rank.index_copy_(0, torch.where(free, free_rank, R), torch.arange(R, device=ring.device))
+    slot_by_rank[R] = R
+    new_rank = torch.cumsum(is_new.long(), 0) - 1
+    slots = torch.where(is_new, slot_by_rank[new_rank.clamp(0, R)], R)
+    ids = torch.where(is_new, fresh, V)
+    slot_of.index_copy_(0, ids, slots)
+    id_of.index_copy_(0, slots, ids)
+    slot_of[V] = -1
+    id_of[R] = -1
+    return torch.where(is_new, fresh, 0), slots
+
+
+@window_update.register_fake
+def _(ring, head, count, slot_of, id_of, first, new_ids):
+    n = 2 * new_ids.numel()
+    return new_ids.new_empty(n), new_ids.new_empty(n)
+
+
+@torch.library.custom_op("microspec::gather_rows", mutates_args=("dst",))
+def gather_rows(src: torch.Tensor, ids: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor) -> None:
+    """dst[slots[i]] = src[ids[i]]; the caller points padding at a spare row of dst."""
+    dst.index_copy_(0, slots, src.index_select(0, ids))
+
+
+@torch.library.custom_op("microspec::packed_head", mutates_args=())
+def packed_head(hidden: torch.Tensor, packed: torch.Tensor, id_of: torch.Tensor,
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft LM head over the packed rows: log-softmax over the active slots, top-k, slots -> token ids.
+    hidden [T, d], packed [R, d], id_of [R] (-1 = empty slot) -> (logp [T, k] fp32, ids [T, k])."""
+    logits = torch.nn.functional.linear(hidden, packed).float()
+    logits = logits.masked_fill(id_of < 0, float("-inf"))
+    logp, slot = torch.log_softmax(logits, -1).topk(k, dim=-1)
+    return logp, id_of[slot].clamp(min=0)  # an empty slot only wins at -inf; any id is safe to verify
+
+
+@packed_head.register_fake
+def _(hidden, packed, id_of, k):
+    T = hidden.shape[0]
+    return hidden.new_empty(T, k, dtype=torch.float32), id_of.new_empty(T, k)

@@ -1,0 +1,176 @@
+"""The `microspec` command line. Each feature module adds its own sub-commands through `register(sub)`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from .models.registry import DEFAULT_MODEL, MODELS, UserError
+
+# modules with a `register(subparsers)` function; imported lazily so `microspec --help` stays fast
+FEATURE_MODULES = [
+    "trtllm_microspec.vocab.frequency",
+    "trtllm_microspec.train.train_draft",
+    "trtllm_microspec.bench.specbench",
+    "trtllm_microspec.bench.kernels",
+    "trtllm_microspec.serving.server",
+    "trtllm_microspec.serving.client",
+]
+
+
+def add_llm_args(p: argparse.ArgumentParser) -> None:
+    """Engine, method and MicroSpec knobs, shared by every command that builds an LLM."""
+    from .vocab.strategies import METHODS
+
+    p.add_argument("--engine", default=DEFAULT_MODEL, help="engine directory or model key (built on first use)")
+    p.add_argument("--draft", help="EAGLE draft directory (default: <engine>/eagle)")
+    p.add_argument("--method", default="ar", choices=METHODS)
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--w-max", type=int, default=3072, help="MicroSpec window size")
+    p.add_argument("--k-pre", type=int, default=3, help="target top-K per prompt position for S_init")
+    p.add_argument("--k-ver", type=int, default=3, help="target top-K per accepted position per round")
+    p.add_argument("--static-k", type=int, default=32768, help="FR-Spec vocabulary size")
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--total-tokens", type=int, default=60)
+    p.add_argument("--max-seq-len", type=int, help="cap the KV cache length (default: the engine's)")
+
+
+def llm_from_args(a: argparse.Namespace, method: str | None = None):
+    from .llm import LLM
+
+    return LLM(a.engine, method=method or a.method, draft=a.draft, device=a.device, w_max=a.w_max,
+               k_pre=a.k_pre, k_ver=a.k_ver, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
+               total_tokens=a.total_tokens, max_seq_len=a.max_seq_len)
+
+
+def cmd_models(a) -> None:
+    from .models import registry
+
+    if a.action == "list":
+        for m in MODELS.values():
+            cached = "cached" if registry.gguf_path(m.key).exists() else "-"
+            print(f"{m.key:22s} {m.size / 2**20:7.0f} MiB  {cached:6s}  {m.description}")
+    else:
+        if not a.key:
+            raise UserError(f"which model? valid keys: {', '.join(MODELS)}")
+        print(registry.fetch(a.key))
+
+
+def cmd_build(a) -> None:
+    from .models.build import build_engine
+    from .models.registry import cache_dir
+
+    out = a.out or (cache_dir() / "engines" / a.source if a.source in MODELS else None)
+    if out is None:
+        raise UserError("--out DIR is required when building from a file or directory")
+    build_engine(a.source, out, dtype=a.dtype, max_seq_len=a.max_seq_len)
+    print(out)
+
+
+def cmd_build_draft(a) -> None:
+    from .llm import resolve_engine
+    from .spec.eagle import build_draft
+
+    print(build_draft(a.checkpoint, resolve_engine(a.engine), a.out))
+
+
+def cmd_generate(a) -> None:
+    llm = llm_from_args(a)
+    if a.json:
+        print(json.dumps(llm.generate(a.prompt, a.max_new_tokens, chat=a.chat).to_dict()))
+        return
+    gen = llm.stream_tokens(a.prompt, a.max_new_tokens, chat=a.chat)
+    try:
+        while True:
+            piece, _ = next(gen)
+            print(piece, end="", flush=True)
+    except StopIteration as stop:
+        s = stop.value.stats
+    print()
+    extra = (f", acceptance {s['acceptance_length']:.2f}, vocab {s['vocab_mean']:.0f}"
+             if s["rounds"] and a.method != "ar" else "")
+    print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s, {s['tokens_per_s']:.1f} tok/s{extra}]", file=sys.stderr)
+
+
+def cmd_quickstart(a) -> None:
+    """The main job: fetch and build the default model, then AR and MicroSpec on one chat prompt."""
+    prompt = a.prompt
+    results = {}
+    for method in ("ar", "microspec"):
+        a.method = method
+        r = llm_from_args(a).generate(prompt, a.max_new_tokens, chat=True)
+        results[method] = r
+        s = r.stats
+        print(f"== {method}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s"
+              + (f", acceptance length {s['acceptance_length']:.2f}, mean draft vocabulary {s['vocab_mean']:.0f}, "
+                 f"coverage {s['coverage']:.2f}" if method != "ar" else ""))
+    print(results["microspec"].text)
+    same = results["ar"].token_ids == results["microspec"].token_ids
+    print(f"== MicroSpec output identical to AR greedy: {same}; speedup "
+          f"{results['microspec'].stats['tokens_per_s'] / results['ar'].stats['tokens_per_s']:.2f}x")
+    if not same:
+        sys.exit(1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="microspec", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("models", help="list or fetch the real models")
+    m.add_argument("action", choices=["list", "fetch"])
+    m.add_argument("key", nargs="?")
+    m.set_defaults(func=cmd_models)
+
+    b = sub.add_parser("build", help="GGUF file, model key or HF checkpoint dir -> engine dir")
+    b.add_argument("source")
+    b.add_argument("--out", help="engine directory (default for a model key: the cache)")
+    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    b.add_argument("--max-seq-len", type=int)
+    b.set_defaults(func=cmd_build)
+
+    bd = sub.add_parser("build-draft", help="official EAGLE-1/2 checkpoint -> draft dir tied to an engine")
+    bd.add_argument("--checkpoint", required=True)
+    bd.add_argument("--engine", required=True)
+    bd.add_argument("--out", required=True)
+    bd.set_defaults(func=cmd_build_draft)
+
+    g = sub.add_parser("generate", help="greedy generation (AR or speculative)")
+    add_llm_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, ids, stats")
+    g.set_defaults(func=cmd_generate)
+
+    q = sub.add_parser("quickstart", help="fetch + build the default model, run AR and MicroSpec, compare")
+    add_llm_args(q)
+    q.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
+    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.set_defaults(func=cmd_quickstart)
+
+    for name in FEATURE_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("trtllm_microspec"):
+                continue  # feature not present in this build
+            raise
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except UserError as e:
+        print(f"microspec: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The Python API: `LLM(engine, method=...)` with `generate` and `stream`.
+
+    from trtllm_microspec import LLM
+    llm = LLM("smollm2-135m", method="microspec")        # a model key (built on first use) or an engine dir
+    print(llm.generate("What is 2+2?", chat=True).text)
+    for piece in llm.stream("Tell me a story", chat=True, max_new_tokens=64):
+        print(piece, end="", flush=True)
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine.executor import Executor
+from .engine.loader import load_target, pick_device
+from .models.registry import MODELS, UserError, cache_dir
+from .spec.tree import TreeConfig
+from .vocab.strategies import METHODS, make_vocab
+
+DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
+FREQ_FILE = "token_freq.safetensors"  # FR-Spec's ranked token ids, stored with the engine
+
+
+def resolve_engine(engine: str | Path) -> Path:
+    """An engine directory, or a model key: its engine in the cache, built on first use."""
+    p = Path(engine)
+    if p.exists():
+        return p
+    if str(engine) in MODELS:
+        out = cache_dir() / "engines" / str(engine)
+        if not (out / "config.json").exists():
+            from .models.build import build_engine
+            build_engine(str(engine), out)
+        return out
+    raise UserError(f"engine {engine} not found: give an engine directory or a model key ({', '.join(MODELS)})")
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    num_new_tokens: int
+    stats: dict
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "num_new_tokens": self.num_new_tokens,
+                "wall_s": self.stats["wall_s"], "tokens_per_s": self.stats["tokens_per_s"], "stats": self.stats}
+
+
+class LLM:
+    def __init__(self, engine: str | Path, method: str = "ar", draft: str | Path | None = None,
+                 device: str | None = None, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3,
+                 static_k: int = 32768, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
+                 max_seq_len: int | None = None):
+        if method not in METHODS:
+            raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        self.engine_dir = resolve_engine(engine)
+        self.method = method
+        self.device, dtype = pick_device(device)
+        self.target, self.tokenizer = load_target(self.engine_dir, self.device, dtype, max_seq_len)
+        draft_model = vocab = None
+        if method != "ar":
+            from .spec.eagle import load_draft
+            draft_dir = Path(draft) if draft else self.engine_dir / DRAFT_SUBDIR
+            if not draft_dir.exists():
+                raise UserError(f"method {method} needs a draft head: pass --draft DIR (none at {draft_dir})")
+            draft_model = load_draft(draft_dir, self.target, dtype, self.device)
+            vocab = make_vocab(method, self.target.head_weight, self.target.cfg.eos_ids, w_max=w_max,
+                               ranked_ids=self._ranked_ids() if method == "frspec" else None, static_k=static_k)
+        tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
+        self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver)
+        self._lock = threading.Lock()  # one request at a time: the KV caches and the window are static
+
+    def _ranked_ids(self) -> torch.Tensor | None:
+        f = self.engine_dir / FREQ_FILE
+        if not f.exists():
+            return None
+        from safetensors.torch import load_file
+        return load_file(f)["ranked_ids"]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.target.cfg.max_seq_len
+
+    def prompt_ids(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        return self.tokenizer.prompt_ids(prompt, chat)
+
+    def stream_tokens(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False):
+        """Yields (text piece, new token ids) per step; the generator's return value is the Result."""
+        ids = self.prompt_ids(prompt, chat)
+        self.executor.check(ids, max_new_tokens)
+        with self._lock:
+            out: list[int] = []
+            sent = ""
+            steps = self.executor.run(ids, max_new_tokens)
+            while True:
+                try:
+                    toks = next(steps)
+                except StopIteration as stop:
+                    stats = stop.value
+                    break
+                out += toks
+                text = self.tokenizer.decode(out)
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                    continue
+                piece, sent = text[len(sent):], text
+                yield piece, toks
+            text = self.tokenizer.decode(out)
+            if text != sent:
+                yield text[len(sent):], []
+        return Result(text=text, token_ids=out, num_new_tokens=len(out),
+                      stats={"method": self.method, **stats.summary()})
+
+    def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False) -> Result:
+        gen = self.stream_tokens(prompt, max_new_tokens, chat)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def stream(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False) -> Iterator[str]:
+        for piece, _ in self.stream_tokens(prompt, max_new_tokens, chat):
+            if piece:
+                yield piece

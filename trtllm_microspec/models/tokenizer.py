@@ -1,0 +1,45 @@
+"""Runtime tokenizer: the engine's tokenizer.json (tokenizers library) and its Jinja chat template."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer as _Fast
+
+from .registry import UserError
+
+
+class Tokenizer:
+    def __init__(self, engine_dir: Path):
+        engine_dir = Path(engine_dir)
+        self.fast = _Fast.from_file(str(engine_dir / "tokenizer.json"))
+        special = json.loads((engine_dir / "tokenizer_config.json").read_text())
+        self.bos_token, self.eos_token = special.get("bos_token"), special.get("eos_token")
+        t = engine_dir / "chat_template.jinja"
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self.chat_template = env.from_string(t.read_text()) if t.exists() else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.fast.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.fast.decode(ids, skip_special_tokens=True)
+
+    def apply_chat(self, messages: list[dict]) -> str:
+        if self.chat_template is None:
+            raise UserError("this engine's model has no chat template; drop --chat")
+        return self.chat_template.render(messages=messages, add_generation_prompt=True,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def prompt_ids(self, prompt: str | list[dict], chat: bool) -> list[int]:
+        """Token ids of a prompt: raw text, or chat messages (a str becomes one user turn) through the template."""
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            return self.encode(self.apply_chat(messages))
+        return self.encode(prompt)
+
+
+def _raise(msg):
+    raise UserError(f"chat template: {msg}")

@@ -1,0 +1,117 @@
+"""EAGLE-2 dynamic draft tree, tree verification and greedy acceptance -- all tensor ops on the device.
+
+Round layout (n = committed length of both KV caches, root = the last emitted token, not yet in the target
+cache; h_last = the draft hidden that predicts the token after root):
+  draft:   level 1 = top-k of head(h_last); then `depth` expansion steps, each feeding the top-k nodes of the
+           pool's newest level (token, parent's draft hidden) at position n+i-1 with an ancestor mask;
+           finally the best total_tokens-1 nodes over all levels (+ root) form the tree.
+  verify:  one target pass over the tree at positions n + depth with an ancestor mask.
+  accept:  the deepest node whose whole path matches the target's argmax; emitted = the target argmax along
+           that path (the matched draft tokens + the bonus token).
+Shapes are static (padded to the maximum depth) so a round can be captured in a CUDA graph; the only host
+read per round is the emitted tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    depth: int = 5  # expansion steps after the first head call: depth + 1 draft forwards and head calls
+    top_k: int = 10
+    total_tokens: int = 60  # tree size including the root
+
+    @property
+    def max_path(self) -> int:  # root + deepest level
+        return self.depth + 2
+
+    @property
+    def draft_slots(self) -> int:  # draft-cache slots the expansion steps write past the committed length
+        return self.depth * self.top_k
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [N] root first
+    parent: torch.Tensor  # [N] tree index of each node's parent (root: itself)
+    depth: torch.Tensor  # [N]
+    anc: torch.Tensor  # [N, N] bool: anc[i, j] = j is i or an ancestor of i
+
+
+def causal_mask(n: int, t: int, device) -> torch.Tensor:
+    """[t, n + t] bool: t new tokens after n committed ones, each sees the past and itself."""
+    return torch.arange(n + t, device=device)[None, :] <= (n + torch.arange(t, device=device))[:, None]
+
+
+def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: int, cfg: TreeConfig) -> Tree:
+    k, dev = cfg.top_k, h_last.device
+    logp, ids = vocab.head(h_last[None], k)
+    pool_tok, pool_score, pool_parent = [ids[0]], [logp[0]], [torch.full((k,), -1, device=dev)]
+    cur_tok, cur_score, cur_idx = ids[0], logp[0], torch.arange(k, device=dev)
+    cur_feat = h_last[None].expand(k, -1)
+    anc = torch.zeros(k, cfg.draft_slots, dtype=torch.bool, device=dev)  # ancestry among tree slots
+    rows = torch.arange(k, device=dev)
+    anc[rows, rows] = True
+    ctx = torch.ones(k, n, dtype=torch.bool, device=dev)
+    offset = k
+    for i in range(cfg.depth):
+        slots = n + i * k + torch.arange(k, device=dev)
+        pos = torch.full((k,), n + i, device=dev)
+        h = draft(cur_tok, cur_feat, pos, slots, torch.cat([ctx, anc[:, : (i + 1) * k]], 1))
+        logp, ids = vocab.head(h, k)  # [k, k]
+        score = (cur_score[:, None] + logp).flatten()
+        pool_tok.append(ids.flatten())
+        pool_score.append(score)
+        pool_parent.append(cur_idx.repeat_interleave(k))
+        if i + 1 == cfg.depth:
+            break
+        best = score.topk(k).indices
+        parent_row = best // k
+        cur_tok, cur_score, cur_idx = ids.flatten()[best], score[best], offset + best
+        cur_feat = h[parent_row]
+        anc = anc[parent_row]
+        anc[rows, (i + 1) * k + rows] = True
+        offset += k * k
+    return _select(torch.cat(pool_tok), torch.cat(pool_score), torch.cat(pool_parent), root, cfg)
+
+
+def _select(tok, score, parent, root, cfg: TreeConfig) -> Tree:
+    """Best total_tokens-1 pool nodes by path score, kept in pool order (so parents precede children)."""
+    dev, N = tok.device, cfg.total_tokens
+    level = torch.cat([torch.zeros(cfg.top_k, device=dev)] +
+                      [torch.full((cfg.top_k ** 2,), i + 1.0, device=dev) for i in range(cfg.depth)])
+    # a child never scores above its parent; the tiny depth penalty breaks exact ties (p = 1.0 in fp32) so
+    # the chosen set always contains each chosen node's parent
+    chosen = (score - 1e-4 * level).topk(N - 1).indices.sort().values
+    tree_of = torch.full((tok.numel() + 1,), 0, dtype=torch.long, device=dev)  # pool index -> tree index
+    tree_of[chosen] = torch.arange(1, N, device=dev)
+    par = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), tree_of[parent[chosen]]])  # -1 -> sink -> 0
+    eye = torch.eye(N, dtype=torch.bool, device=dev)
+    anc = eye.clone()
+    for _ in range(cfg.depth + 1):
+        anc = eye | anc[par]
+    tokens = torch.cat([root.view(1), tok[chosen]])
+    return Tree(tokens=tokens, parent=par, depth=anc.sum(1) - 1, anc=anc)
+
+
+def verify(target, tree: Tree, n: int):
+    """One target pass over the tree. Returns the final hidden states [N, d] and the logits [N, V]."""
+    N, dev = tree.tokens.numel(), tree.tokens.device
+    mask = torch.cat([torch.ones(N, n, dtype=torch.bool, device=dev), tree.anc], 1)
+    h = target(tree.tokens, n + tree.depth, n + torch.arange(N, device=dev), mask)
+    return h, target.logits(h)
+
+
+def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
+    """Greedy acceptance. Returns path [max_path] (tree indices by depth, padded with the leaf), the number of
+    accepted draft tokens k (0-d tensor), and emitted [max_path] (valid up to index k)."""
+    ok = tree.tokens == argmax[tree.parent]
+    ok[0] = True
+    path_ok = ~(tree.anc & ~ok[None, :]).any(1)
+    leaf = torch.where(path_ok, tree.depth, -1).argmax()
+    on_path = tree.anc[leaf][None, :] & (tree.depth[None, :] == torch.arange(max_path, device=ok.device)[:, None])
+    path = torch.where(on_path.any(1), on_path.float().argmax(1), leaf)
+    return path, tree.depth[leaf], argmax[path]
