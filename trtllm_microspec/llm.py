@@ -95,6 +95,7 @@ class LLM:
         self.executor.check(ids, max_new_tokens)
         with self._lock:
             out: list[int] = []
+            pending: list[int] = []  # tokens whose text has not been yielded yet
             sent = ""
             steps = self.executor.run(ids, max_new_tokens)
             while True:
@@ -104,14 +105,16 @@ class LLM:
                     stats = stop.value
                     break
                 out += toks
+                pending += toks
                 text = self.tokenizer.decode(out)
                 if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
                     continue
                 piece, sent = text[len(sent):], text
-                yield piece, toks
+                yield piece, pending
+                pending = []
             text = self.tokenizer.decode(out)
-            if text != sent:
-                yield text[len(sent):], []
+            if text != sent or pending:
+                yield text[len(sent):], pending
         return Result(text=text, token_ids=out, num_new_tokens=len(out),
                       stats={"method": self.method, **stats.summary()})
 
