@@ -1,0 +1,66 @@
+"""The paper's figures from a bench result: Fig. 6 (speed and acceptance length against W_max) and Fig. 1b
+(coverage against draft vocabulary size: static top-K curves vs MicroSpec points)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_all(res: dict, out: Path) -> list[str]:
+    """Writes the PNGs it can; returns notes on those it could not."""
+    try:
+        import matplotlib
+    except ImportError:
+        return ["no plots: matplotlib is not installed (pip install matplotlib)"]
+    matplotlib.use("Agg")  # files only, no display
+    notes = []
+    micro = sorted((r for r in res["runs"].values() if r["method"] == "microspec"), key=lambda r: r["w_max"])
+    if micro:
+        fig6(micro, out / "fig6_wmax.png")
+    else:
+        notes.append("no fig6_wmax.png: no microspec run")
+    if "static_coverage" in res or micro:
+        fig1b(res, micro, out / "fig1b_coverage.png")
+    else:
+        notes.append("no fig1b_coverage.png: neither static coverage nor a microspec run")
+    return notes
+
+
+def fig6(micro: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    w = [r["w_max"] for r in micro]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(w, [r["summary"]["overall"]["speed"] for r in micro], "o-", color="tab:green", label="speed")
+    ax.set_xlabel("W_max")
+    ax.set_ylabel("tokens/s", color="tab:green")
+    ax2 = ax.twinx()
+    ax2.plot(w, [r["summary"]["overall"]["acceptance_length"] or 0 for r in micro], "s--", color="tab:blue",
+             label="acceptance length")
+    ax2.set_ylabel("mean acceptance length", color="tab:blue")
+    ax.set_title("MicroSpec: speed and acceptance length vs W_max")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def fig1b(res: dict, micro: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = dict(zip(res["categories"] + ["overall"], plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    static = res.get("static_coverage", {})
+    for cat, color in colors.items():
+        if static.get(cat):
+            ax.plot(static["k"], static[cat], "--", color=color, label=f"static {cat}")
+        pts = [(r["summary"][cat]["vocab_mean"], r["summary"][cat]["coverage"]) for r in micro
+               if r["summary"][cat]["coverage"] is not None]
+        if pts:
+            ax.scatter(*zip(*pts), marker="*", s=120, color=color, label=f"MicroSpec {cat}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("draft vocabulary size (MicroSpec: mean active)")
+    ax.set_ylabel("coverage of the target's tokens")
+    ax.set_title("coverage vs vocabulary size: static top-K vs MicroSpec")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,320 @@
+"""`microspec bench`: Spec-Bench (6 categories) + HumanEval (code), every method on the same questions.
+
+Measurement follows Spec-Bench: chat template, greedy, warm-up runs, `synchronize(); perf_counter()` around each
+request (prefill included); a question's speed = its new tokens / its wall time over all its turns, a category's
+speed = the mean over its questions, speedup = method mean speed / AR mean speed of the same run. MT-bench's second
+turn is generated in the context [user 1, the model's own answer 1, user 2]. Every method's tokens are compared with
+AR's on the fly (speculative decoding is lossless; mismatches are counted and listed, never fatal).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ..models.registry import UserError
+
+SPEC_BENCH = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+CATEGORIES = SPEC_BENCH + ("code",)
+# Spec-Bench reports MT-bench's 8 categories as one
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+HF = "hf"  # transformers' own generate, an outside reference
+WARMUP_TOKENS = 64  # warm-up only has to touch every kernel and allocation once, not generate a full answer
+
+
+def data_dir(arg: str | None) -> Path:
+    d = Path(arg or os.environ.get("MICROSPEC_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")
+    if not (d / "spec_bench" / "question.jsonl").exists():
+        raise UserError(f"no Spec-Bench data at {d}/spec_bench/question.jsonl: pass --data DIR or set MICROSPEC_DATA")
+    return d
+
+
+def load_questions(data: Path, categories: list[str], limit: int | None) -> list[dict]:
+    """[{qid, category, turns}], the first `limit` of each category; MT-bench round-robin over its 8 sub-categories
+    so that a small limit still samples all of them."""
+    by_cat: dict[str, list[dict]] = defaultdict(list)
+    seen: dict[str, int] = defaultdict(int)
+    for line in (data / "spec_bench" / "question.jsonl").read_text().splitlines():
+        q = json.loads(line)
+        cat = "mt_bench" if q["category"] in MT_BENCH else q["category"]
+        by_cat[cat].append({"qid": str(q["question_id"]), "category": cat, "turns": q["turns"],
+                            "order": seen[q["category"]]})
+        seen[q["category"]] += 1
+    by_cat["mt_bench"].sort(key=lambda q: q["order"])
+    if "code" in categories:
+        f = data / "humaneval" / "HumanEval.jsonl.gz"
+        if not f.exists():
+            raise UserError(f"no HumanEval data at {f}")
+        with gzip.open(f, "rt") as fh:
+            by_cat["code"] = [{"qid": p["task_id"], "category": "code",
+                               "turns": [f"Complete the following Python function:\n```python\n{p['prompt']}```"]}
+                              for p in map(json.loads, fh)]
+    return [q for c in categories for q in by_cat[c][:limit]]
+
+
+class HFReference:
+    """transformers' own `generate` on the engine's dense weights (source.json keeps the original HF config)."""
+
+    def __init__(self, engine: str, device: str | None):
+        import transformers
+        from safetensors.torch import load_file
+
+        from ..engine.loader import pick_device, read_config
+        from ..llm import resolve_engine
+        from ..models.tokenizer import Tokenizer
+
+        d = resolve_engine(engine)
+        self.device, dtype = pick_device(device)
+        hf = dict(json.loads((d / "source.json").read_text())["hf_config"])
+        cfg = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+        with torch.device(self.device):
+            self.model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        # engine tensors are HF names without the "model." prefix
+        sd = {k if k.startswith("lm_head.") else f"model.{k}": v for k, v in load_file(d / "model.safetensors").items()}
+        missing, unexpected = self.model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+        if missing or unexpected:
+            raise UserError(f"{d} does not map onto transformers' {cfg.model_type}: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+        self.tokenizer = Tokenizer(d)
+        self.eos_ids = read_config(d).eos_ids
+
+    @torch.inference_mode()
+    def generate(self, prompt, max_new_tokens: int, chat: bool = True):
+        from ..llm import Result
+
+        ids = torch.tensor([self.tokenizer.prompt_ids(prompt, chat)], device=self.device)
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
+        new = out[0, ids.shape[1]:].tolist()
+        return Result(text=self.tokenizer.decode(new), token_ids=new, num_new_tokens=len(new),
+                      stats={"method": HF, "new_tokens": len(new), "wall_s": time.perf_counter() - t0})
+
+
+def build_runs(a) -> list[dict]:
+    """One entry per model configuration to measure; AR first, as every other run is compared with it.
+    A sweep point equal to the main run's setting is not run twice."""
+    runs = [{"label": m, "method": m} for m in dict.fromkeys(["ar", *a.methods])]
+    runs += [{"label": f"frspec@K={k}", "method": "frspec", "static_k": k}
+             for k in a.frspec_k if not (k == a.static_k and "frspec" in a.methods)]
+    runs += [{"label": f"microspec@W={w}", "method": "microspec", "w_max": w}
+             for w in a.w_max_sweep if not (w == a.w_max and "microspec" in a.methods)]
+    for r in runs:
+        r.setdefault("static_k", a.static_k)
+        r.setdefault("w_max", a.w_max)
+    return runs
+
+
+def make_model(a, run: dict):
+    if run["method"] == HF:
+        return HFReference(a.engine, a.device)
+    from ..cli import llm_from_args
+
+    return llm_from_args(argparse.Namespace(**{**vars(a), "w_max": run["w_max"], "static_k": run["static_k"]}),
+                         method=run["method"])
+
+
+def timed(model, messages, max_new_tokens: int, cuda: bool):
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = model.generate(messages, max_new_tokens, chat=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return r, time.perf_counter() - t0
+
+
+def run_questions(model, questions: list[dict], a) -> tuple[list[dict], dict]:
+    """Per turn: a record of its stats and timing; also the token ids per (qid, turn) for the comparisons."""
+    cuda = model.device.type == "cuda"
+    first = questions[0]["turns"][0]
+    for _ in range(a.warmup):
+        model.generate(first, min(a.max_new_tokens, WARMUP_TOKENS), chat=True)
+    records, ids = [], {}
+    for q in questions:
+        messages = []
+        for t, user in enumerate(q["turns"]):
+            messages.append({"role": "user", "content": user})
+            r, secs = timed(model, messages, a.max_new_tokens, cuda)
+            messages.append({"role": "assistant", "content": r.text})
+            records.append({"qid": q["qid"], "category": q["category"], "turn": t, "time_s": secs, **r.stats})
+            ids[q["qid"], t] = r.token_ids
+    return records, ids
+
+
+def summarize(records: list[dict]) -> dict:
+    per_q: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for r in records:
+        per_q[r["qid"]][0] += r["new_tokens"]
+        per_q[r["qid"]][1] += r["time_s"]
+    speeds = [n / s for n, s in per_q.values()]
+    rounds = sum(r.get("rounds", 0) for r in records)
+    emitted = sum(r["new_tokens"] - 1 for r in records if r.get("rounds"))
+    covered = [(r["coverage"], r["new_tokens"] - 1) for r in records if r.get("coverage") is not None]
+    return {
+        "questions": len(per_q),
+        "turns": len(records),
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "speed": sum(speeds) / len(speeds),
+        "acceptance_length": emitted / rounds if rounds else None,
+        "draft_share": sum(r.get("draft_s", 0.0) for r in records) / sum(r["time_s"] for r in records),
+        "vocab_mean": sum(r["vocab_mean"] * r["rounds"] for r in records if r.get("rounds")) / rounds if rounds else None,
+        "coverage": sum(c * n for c, n in covered) / max(1, sum(n for _, n in covered)) if covered else None,
+    }
+
+
+def compare(ids: dict, ref: dict) -> list[dict]:
+    """Turns whose tokens differ from AR's, with the first differing position."""
+    out = []
+    for key, toks in ids.items():
+        want = ref[key]
+        if toks != want:
+            pos = next((i for i, (x, y) in enumerate(zip(toks, want)) if x != y), min(len(toks), len(want)))
+            out.append({"qid": key[0], "turn": key[1], "first_diff": pos, "len": len(toks), "ar_len": len(want)})
+    return out
+
+
+def static_coverage(ar_ids: dict, questions: list[dict], ranked: torch.Tensor, vocab_size: int) -> dict:
+    """FR-Spec's coverage offline: the share of AR-emitted tokens (the first of each turn excluded, as online)
+    inside the top-K ranked ids, for K in powers of two up to the vocabulary."""
+    rank = torch.full((vocab_size,), vocab_size, dtype=torch.long)
+    rank[ranked.long()] = torch.arange(ranked.numel())
+    ks = [k for k in (2 ** i for i in range(9, 20)) if k < vocab_size] + [vocab_size]
+    cat_of = {q["qid"]: q["category"] for q in questions}
+    toks: dict[str, list[int]] = defaultdict(list)
+    for (qid, _), t in ar_ids.items():
+        toks[cat_of[qid]] += t[1:]
+        toks["overall"] += t[1:]
+    out = {"k": ks}
+    for cat, t in toks.items():
+        r = rank[torch.tensor(t, dtype=torch.long)] if t else torch.empty(0, dtype=torch.long)
+        out[cat] = [float((r < k).float().mean()) if t else None for k in ks]
+    return out
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+METRICS = [("speed", "tokens/s (prefill included)", ".1f"), ("speedup", "speedup over AR", ".2f"),
+           ("acceptance_length", "mean acceptance length", ".2f"), ("draft_share", "share of time in drafting", ".1%"),
+           ("vocab_mean", "mean active draft vocabulary", ".0f"), ("coverage", "coverage (emitted tokens in the draft vocabulary)", ".1%")]
+
+
+def markdown(res: dict) -> str:
+    cols = res["categories"] + ["overall"]
+    runs = res["runs"]
+    lines = [f"# Spec-Bench + HumanEval: {res['config']['engine']} on {res['device']}", "",
+             f"max_new_tokens {res['config']['max_new_tokens']}, limit {res['config']['limit']} per category, "
+             f"greedy, chat template; speed = mean over questions of new tokens / wall time.", ""]
+    for key, title, spec in METRICS:
+        lines += [f"## {title}", "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [f"| {name} | " + " | ".join(_fmt(run["summary"][c][key], spec) for c in cols) + " |"
+                  for name, run in runs.items()]
+        lines.append("")
+    lines += ["## losslessness (token ids equal to AR's)", "", "| method | turns | mismatches |", "|---|---|---|"]
+    lines += [f"| {n} | {r['summary']['overall']['turns']} | {len(r['mismatches'])} |" for n, r in runs.items()]
+    for method, knob in (("frspec", "static_k"), ("microspec", "w_max")):
+        sweep = sorted((r for r in runs.values() if r["method"] == method), key=lambda r: r[knob])
+        if len(sweep) > 1:
+            lines += ["", f"## {method} sweep over {knob} (overall)", "",
+                      f"| {knob} | " + " | ".join(t for _, t, _ in METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
+            lines += [f"| {r[knob]} | " + " | ".join(_fmt(r["summary"]["overall"][k], s) for k, _, s in METRICS) + " |"
+                      for r in sweep]
+    lines += [f"", *[f"- {n}" for n in res["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_bench(a) -> None:
+    from ..vocab.strategies import METHODS
+
+    for m in a.methods:
+        if m not in METHODS + (HF,):
+            raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS + (HF,))}")
+    for c in a.categories:
+        if c not in CATEGORIES:
+            raise UserError(f"unknown category {c!r}; choose from {', '.join(CATEGORIES)}")
+    if a.limit is not None and a.limit < 1:
+        raise UserError("--limit must be at least 1")
+    questions = load_questions(data_dir(a.data), a.categories, a.limit)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    notes, runs, ar_ids, engine_dir = [], {}, None, None
+    for run in build_runs(a):
+        label = run.pop("label")
+        if run["method"] == HF and importlib.util.find_spec("transformers") is None:
+            notes.append("hf skipped: transformers is not installed")
+            print(f"[bench] {notes[-1]}", file=sys.stderr)
+            continue
+        model = make_model(a, run)
+        t0 = time.perf_counter()
+        records, ids = run_questions(model, questions, a)
+        if ar_ids is None:
+            ar_ids, engine_dir, device = ids, model.engine_dir, str(model.device)
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        summary = {c: summarize([r for r in records if r["category"] == c]) for c in a.categories}
+        summary["overall"] = summarize(records)
+        mism = compare(ids, ar_ids)
+        runs[label] = {**run, "lossless": not mism, "mismatches": mism, "summary": summary, "turns": records}
+        s = summary["overall"]
+        print(f"[bench] {label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
+              f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    for run in runs.values():
+        for c, s in run["summary"].items():
+            s["speedup"] = s["speed"] / runs["ar"]["summary"][c]["speed"]
+    res = {"config": {k: v for k, v in vars(a).items() if k != "func"}, "device": device,
+           "categories": a.categories, "runs": runs, "notes": notes}
+    from ..llm import FREQ_FILE
+    if (engine_dir / FREQ_FILE).exists():
+        from safetensors.torch import load_file
+
+        from ..engine.loader import read_config
+        res["static_coverage"] = static_coverage(ar_ids, questions, load_file(engine_dir / FREQ_FILE)["ranked_ids"],
+                                                 read_config(engine_dir).vocab_size)
+    else:
+        notes.append(f"no {FREQ_FILE} in the engine: no static coverage curve")
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    from .plots import plot_all
+    notes += plot_all(res, out)
+    (out / "results.md").write_text(markdown(res))
+    print(out / "results.md")
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def register(sub) -> None:
+    from ..cli import add_llm_args
+
+    p = sub.add_parser("bench", help="Spec-Bench + HumanEval: speed, speedup, acceptance, vocabulary per method",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_llm_args(p)  # --method is not used here: --methods lists what to run
+    p.add_argument("--methods", type=_names, default=["ar", "eagle", "frspec", "microspec"],
+                   help="comma list of ar, eagle, frspec, microspec, ctx-only, ext-only, naive, hf (AR always runs)")
+    p.add_argument("--categories", type=_names, default=list(CATEGORIES), help=f"comma list of {', '.join(CATEGORIES)}")
+    p.add_argument("--limit", type=int, help="questions per category (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method")
+    p.add_argument("--frspec-k", type=_ints, default=[], help="FR-Spec sweep: comma list of vocabulary sizes")
+    p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6)")
+    p.add_argument("--data", help="data directory (default: MICROSPEC_DATA or <repo>/../shared/data)")
+    p.add_argument("--out", default="bench_out", help="directory for results.json, results.md and the plots")
+    p.set_defaults(func=cmd_bench)
