@@ -1,0 +1,88 @@
+"""`microspec build-freq`: the FR-Spec token-frequency list of an engine (its static draft vocabulary).
+
+Counts the target tokenizer's ids over a corpus of raw text and writes `<engine>/token_freq.safetensors`:
+  ranked_ids  int64 [V]  every id of the engine's vocabulary, by count descending, ties by id ascending
+  counts      int64 [V]  the count of each id, indexed by id (so counts[ranked_ids] is non-increasing)
+Corpus: `sharegpt` (the text of every message of every conversation), a .txt file (one document per line,
+as FR-Spec counts SlimPajama lines) or a .jsonl file (the "text" field of each line).
+
+Chat-template tokens are not counted: FR-Spec counts raw text, and the draft vocabulary only has to cover
+what the target generates inside an answer. The one special token an answer emits is its end-of-turn/EOS,
+and the frspec strategy pins the engine's EOS ids into the vocabulary whatever their rank.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..models.registry import UserError
+
+BATCH = 1024  # documents per tokenizer call (the Rust tokenizer parallelises within a batch)
+
+
+def corpus_texts(corpus: str, limit: int | None = None) -> list[str]:
+    """Documents of the corpus: `limit` conversations (sharegpt) or lines (.txt/.jsonl) at most."""
+    if corpus == "sharegpt":
+        from ..data import sharegpt_conversations
+        return [m["content"] for conv in sharegpt_conversations(limit) for m in conv]
+    p = Path(corpus)
+    if not p.is_file() or p.suffix not in (".txt", ".jsonl"):
+        raise UserError(f"corpus {corpus} is neither 'sharegpt' nor a .txt/.jsonl file")
+    texts = []
+    with open(p, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            if p.suffix == ".txt":
+                texts.append(line)
+            elif line.strip():
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                    raise UserError(f"{p}:{i + 1}: a .jsonl corpus needs a \"text\" string on every line")
+                texts.append(rec["text"])
+    return texts
+
+
+def count_tokens(tokenizer, texts: list[str], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(0, len(texts), BATCH):
+        encs = tokenizer.fast.encode_batch(texts[i:i + BATCH], add_special_tokens=False)
+        ids = torch.tensor([t for e in encs for t in e.ids], dtype=torch.long)
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def rank(counts: torch.Tensor) -> torch.Tensor:
+    # stable sort of ids 0..V-1 by -count: ties keep ascending id order
+    return torch.sort(-counts, stable=True).indices
+
+
+def build_freq(engine_dir: Path, corpus: str = "sharegpt", limit: int | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    from ..engine.loader import read_config
+    from ..llm import FREQ_FILE
+    from ..models.tokenizer import Tokenizer
+
+    cfg = read_config(engine_dir)
+    counts = count_tokens(Tokenizer(engine_dir), corpus_texts(corpus, limit), cfg.vocab_size)
+    out = Path(engine_dir) / FREQ_FILE
+    save_file({"ranked_ids": rank(counts), "counts": counts}, out)
+    return out
+
+
+def cmd_build_freq(a) -> None:
+    from ..llm import resolve_engine
+
+    print(build_freq(resolve_engine(a.engine), a.corpus, a.limit))
+
+
+def register(sub) -> None:
+    p = sub.add_parser("build-freq", help="FR-Spec token frequencies of a corpus -> <engine>/token_freq.safetensors")
+    p.add_argument("--engine", required=True, help="engine directory or model key")
+    p.add_argument("--corpus", default="sharegpt", help="'sharegpt', or a .txt (one document per line) / "
+                                                         ".jsonl (\"text\" field) file")
+    p.add_argument("--limit", type=int, help="at most this many conversations / lines")
+    p.set_defaults(func=cmd_build_freq)
