@@ -18,9 +18,19 @@ from __future__ import annotations
 import torch
 
 BIG = 1 << 62
+REFERENCE = {}  # op name -> its plain-torch body, still callable on any device after CUDA kernels are registered
 
 
-@torch.library.custom_op("microspec::unique_first", mutates_args=("first",))
+def _op(name: str, mutates_args=()):
+    """torch.library.custom_op `microspec::name` whose body is the reference; the check and the A/B benchmark
+    call REFERENCE[name] on CUDA tensors to compare it with the kernels that plugins.cuda registers."""
+    def wrap(fn):
+        REFERENCE[name] = fn
+        return torch.library.custom_op(f"microspec::{name}", fn, mutates_args=mutates_args)
+    return wrap
+
+
+@_op("unique_first", mutates_args=("first",))
 def unique_first(ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """ids [n] (-1 = padding) -> same ids with every repeat after the first occurrence replaced by -1."""
     n = ids.numel()
@@ -38,8 +48,7 @@ def _(ids, first):
     return torch.empty_like(ids)
 
 
-@torch.library.custom_op("microspec::window_update",
-                         mutates_args=("ring", "head", "count", "slot_of", "id_of", "first"))
+@_op("window_update", mutates_args=("ring", "head", "count", "slot_of", "id_of", "first"))
 def window_update(ring: torch.Tensor, head: torch.Tensor, count: torch.Tensor, slot_of: torch.Tensor,
                   id_of: torch.Tensor, first: torch.Tensor, new_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Append new_ids (-1 = padding, skipped) to the FIFO stream, evict what falls out of the window, and
@@ -90,13 +99,14 @@ def _(ring, head, count, slot_of, id_of, first, new_ids):
     return new_ids.new_empty(n), new_ids.new_empty(n)
 
 
-@torch.library.custom_op("microspec::gather_rows", mutates_args=("dst",))
+@_op("gather_rows", mutates_args=("dst",))
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor) -> None:
-    """dst[slots[i]] = src[ids[i]]; the caller points padding at a spare row of dst."""
+    """dst[slots[i]] = src[ids[i]]; the caller points padding at the last row of dst, a spare row whose content
+    is unspecified afterwards (the CUDA kernel skips the rows aimed at it)."""
     dst.index_copy_(0, slots, src.index_select(0, ids))
 
 
-@torch.library.custom_op("microspec::packed_head", mutates_args=())
+@_op("packed_head")
 def packed_head(hidden: torch.Tensor, packed: torch.Tensor, id_of: torch.Tensor,
                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft LM head over the packed rows: log-softmax over the active slots, top-k, slots -> token ids.

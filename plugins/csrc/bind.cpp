@@ -1,0 +1,20 @@
+// Python binding of the kernels in ops.cu; plugins/cuda.py registers them as the CUDA kernels of the ops.
+#include <torch/extension.h>
+
+#include <tuple>
+
+at::Tensor unique_first(at::Tensor ids, at::Tensor first);
+std::tuple<at::Tensor, at::Tensor> window_update(at::Tensor ring, at::Tensor head, at::Tensor count,
+                                                 at::Tensor slot_of, at::Tensor id_of, at::Tensor first,
+                                                 at::Tensor new_ids);
+void gather_rows(at::Tensor src, at::Tensor ids, at::Tensor dst, at::Tensor slots);
+std::tuple<at::Tensor, at::Tensor> logsoftmax_topk(at::Tensor logits, at::Tensor id_of, int64_t k);
+int64_t topk_max_rows();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("unique_first", &unique_first, "ops.unique_first");
+  m.def("window_update", &window_update, "ops.window_update");
+  m.def("gather_rows", &gather_rows, "ops.gather_rows (skips rows aimed at the last row of dst)");
+  m.def("logsoftmax_topk", &logsoftmax_topk, "the epilogue of ops.packed_head over logits [T, R]");
+  m.def("topk_max_rows", &topk_max_rows, "the largest R logsoftmax_topk takes");
+}
