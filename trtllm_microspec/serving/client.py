@@ -1,0 +1,184 @@
+"""A small gRPC client for the MicroSpec Triton model, and `microspec client` (one streamed request, or a load run).
+
+    from trtllm_microspec.serving.client import stream, generate
+    gen = stream("127.0.0.1:8001", "Tell me a story", max_tokens=64)
+    for piece in gen: print(piece, end="", flush=True)     # generate() returns the Completion directly
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import time
+from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..models.registry import UserError
+
+MODEL_NAME = "microspec"
+STAT_OUTPUTS = ("num_input_tokens", "num_output_tokens", "acceptance_length", "mean_active_vocab")
+
+
+class RequestError(UserError):
+    """The server refused or failed a request (the message is the server's), or the stream broke."""
+
+
+@dataclass
+class Completion:
+    text: str
+    stats: dict  # the model's per-request statistics (STAT_OUTPUTS)
+    ttft_s: float | None  # time to the first non-empty piece
+    latency_s: float
+    pieces: list[str] = field(default_factory=list)
+
+
+def _grpc():
+    try:
+        import tritonclient.grpc as grpcclient
+    except ModuleNotFoundError:
+        raise UserError("tritonclient is not installed: pip install 'tritonclient[grpc]'") from None
+    return grpcclient
+
+
+def make_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, chat: bool = False,
+                end_id: int | None = None, stop_words: list[str] | None = None) -> list:
+    grpcclient = _grpc()
+
+    def tensor(name, values, dtype, triton_type):
+        t = grpcclient.InferInput(name, [len(values)], triton_type)
+        t.set_data_from_numpy(np.array(values, dtype=dtype))
+        return t
+
+    text = prompt.encode() if isinstance(prompt, str) else prompt
+    inputs = [tensor("text_input", [text], np.object_, "BYTES"), tensor("max_tokens", [max_tokens], np.int32, "INT32"),
+              tensor("stream", [stream], np.bool_, "BOOL"), tensor("chat", [chat], np.bool_, "BOOL")]
+    if end_id is not None:
+        inputs.append(tensor("end_id", [end_id], np.int32, "INT32"))
+    if stop_words:
+        inputs.append(tensor("stop_words", [w.encode() for w in stop_words], np.object_, "BYTES"))
+    return inputs
+
+
+def stream_infer(url: str, inputs: list, model: str = MODEL_NAME,
+                 timeout: float = 600) -> Generator[dict[str, np.ndarray], None, None]:
+    """Yields each response's outputs (name -> array) over one gRPC stream; raises RequestError on an error
+    response or when no response comes for `timeout` seconds. Closing the generator early cancels the request."""
+    grpcclient = _grpc()
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result=None, error=None: responses.put((result, error)))
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            try:
+                result, error = responses.get(timeout=timeout)
+            except queue.Empty:
+                raise RequestError(f"no response from {url} for {timeout:.0f} s") from None
+            if error is not None:
+                raise RequestError(error.message() if hasattr(error, "message") else str(error))
+            outputs = {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
+            if outputs:
+                yield outputs
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def stream(url: str, prompt: str | bytes, max_tokens: int = 256, stream: bool = True, chat: bool = False,
+           end_id: int | None = None, stop_words: list[str] | None = None, model: str = MODEL_NAME,
+           timeout: float = 600) -> Generator[str, None, Completion]:
+    """Yields text pieces as they arrive (one, the whole text, when stream=False); returns the Completion."""
+    t0 = time.perf_counter()
+    ttft, pieces, stats = None, [], {}
+    for out in stream_infer(url, make_inputs(prompt, max_tokens, stream, chat, end_id, stop_words), model, timeout):
+        piece = out["text_output"][0].decode()
+        if piece:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            pieces.append(piece)
+            yield piece
+        stats.update({k: out[k][0].item() for k in STAT_OUTPUTS if k in out})
+    return Completion("".join(pieces), stats, ttft, time.perf_counter() - t0, pieces)
+
+
+def generate(url: str, prompt: str | bytes, max_tokens: int = 256, **kw) -> Completion:
+    gen = stream(url, prompt, max_tokens, **kw)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+def load(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int, **kw) -> dict:
+    """`requests` streaming requests from `concurrency` threads (prompts taken in turn): throughput and latency."""
+    def one(i: int) -> Completion | str:
+        try:
+            return generate(url, prompts[i % len(prompts)], max_tokens, **kw)
+        except RequestError as e:
+            return str(e)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, range(requests)))
+    wall = time.perf_counter() - t0
+    done = [r for r in results if isinstance(r, Completion)]
+    pct = lambda xs: {f"p{q}": float(np.percentile(xs, q)) if xs else None for q in (50, 90, 99)}  # noqa: E731
+    tokens = sum(c.stats.get("num_output_tokens", 0) for c in done)
+    return {"requests": requests, "concurrency": concurrency, "completed": len(done),
+            "errors": [r for r in results if isinstance(r, str)], "wall_s": wall,
+            "requests_per_s": len(done) / wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+            "ttft_s": pct([c.ttft_s for c in done if c.ttft_s is not None]), "latency_s": pct([c.latency_s for c in done]),
+            "mean_acceptance_length": float(np.mean([c.stats["acceptance_length"] for c in done])) if done else None}
+
+
+def cmd_client(a: argparse.Namespace) -> None:
+    kw = dict(stream=not a.no_stream, chat=a.chat, end_id=a.end_id, stop_words=a.stop, model=a.model)
+    if a.requests:
+        r = load(a.url, a.prompt, a.concurrency, a.requests, a.max_tokens, **kw)
+        if a.json:
+            print(json.dumps(r))
+            return
+        ms = lambda p: " ".join(f"{k} {v * 1e3:.0f} ms" for k, v in p.items() if v is not None)  # noqa: E731
+        print(f"{r['completed']}/{r['requests']} requests at concurrency {r['concurrency']} in {r['wall_s']:.2f} s: "
+              f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s\n"
+              f"  time to first token: {ms(r['ttft_s'])}\n  request latency:     {ms(r['latency_s'])}")
+        for e in sorted(set(r["errors"])):
+            print(f"  error ({r['errors'].count(e)}x): {e}", file=sys.stderr)
+        if r["errors"]:
+            sys.exit(1)
+        return
+    gen = stream(a.url, a.prompt[0], a.max_tokens, **kw)
+    try:
+        while True:
+            print(next(gen), end="", flush=True)
+    except StopIteration as stop:
+        c = stop.value
+    print()
+    if a.json:
+        print(json.dumps({"text": c.text, "stats": c.stats, "ttft_s": c.ttft_s, "latency_s": c.latency_s}))
+        return
+    s = c.stats
+    print(f"[{s['num_output_tokens']} tokens in {c.latency_s:.2f} s, first after {(c.ttft_s or 0) * 1e3:.0f} ms, "
+          f"acceptance {s['acceptance_length']:.2f}, vocab {s['mean_active_vocab']:.0f}]", file=sys.stderr)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("client", help="stream a request from `microspec serve`, or measure it under load")
+    p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC address")
+    p.add_argument("--model", default=MODEL_NAME)
+    p.add_argument("--prompt", action="append", required=True, help="repeat for several (load mode takes turns)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--no-stream", action="store_true", help="one response with the whole text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--end-id", type=int, help="stop at this token id")
+    p.add_argument("--stop", action="append", help="stop word (repeatable); the output ends before it")
+    p.add_argument("--concurrency", type=int, default=1, help="load mode: parallel clients")
+    p.add_argument("--requests", type=int, default=0, help="load mode: total requests (0: one streamed request)")
+    p.add_argument("--json", action="store_true", help="print the result or the load report as JSON")
+    p.set_defaults(func=cmd_client)

@@ -1,0 +1,267 @@
+"""`microspec serve`: the real tritonserver (from the nvidia-pytriton wheel) over a MicroSpec model repository.
+
+The repository is `triton_repo/` (pass --model-repository) or one written from the command line's knobs. The wheel's
+server needs its Python backend next to a stub built for this python, this python's own libpython first in
+LD_LIBRARY_PATH (else the stub may bind the system one) and this python first in PATH. Its stub was built against
+numpy 1 (pybind11 reads numpy 1's dtype layout): under numpy 2 every tensor it hands over or takes back has a zero
+item size, so BYTES inputs read as one repeated byte and outputs arrive empty. Where this python has numpy 2 the
+stub gets a numpy<2 of its own, first on its PYTHONPATH (the "stub site"; torch runs fine on either).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from ..models.registry import UserError
+
+MODEL_NAME = "microspec"
+SERVE_INSTALL = "pip install 'tritonclient[grpc]' && pip install --no-deps nvidia-pytriton==0.7.0"
+STUB_SITE = Path(sys.prefix) / "triton-stub-site"  # default home of the stub's numpy<2
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding trtllm_microspec, for the stub's sys.path
+
+MODEL_PY = '''"""Triton Python-backend entry point; the model lives in trtllm_microspec/serving/triton_model.py."""
+import os
+import sys
+
+# The stub runs python isolated, so PYTHONPATH is not on sys.path: put it first, before anything imports numpy
+# (`microspec serve` puts the package and the stub's numpy<2 there).
+sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+from trtllm_microspec.serving.triton_model import TritonPythonModel  # noqa: E402, F401
+'''
+
+CONFIG = """name: "{name}"
+backend: "python"
+max_batch_size: 0  # no batching: the engine serves one request at a time, the model queues the rest
+model_transaction_policy {{ decoupled: true }}  # several responses per request: streaming over gRPC
+
+input [
+  {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
+  {{ name: "chat" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
+  {{ name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "stop_words" data_type: TYPE_STRING dims: [ -1 ] optional: true }}
+]
+output [
+  {{ name: "text_output" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "num_input_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "num_output_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "acceptance_length" data_type: TYPE_FP32 dims: [ 1 ] }},
+  {{ name: "mean_active_vocab" data_type: TYPE_FP32 dims: [ 1 ] }}
+]
+instance_group [ {{ count: 1 kind: {kind} }} ]
+{parameters}
+"""
+
+
+def model_params(a: argparse.Namespace) -> dict[str, str]:
+    """The model's knobs as config.pbtxt parameters (all strings; empty = the engine's default)."""
+    return {"engine_dir": str(a.engine), "draft_dir": str(a.draft or ""), "method": a.method,
+            "device": a.device or "", "w_max": str(a.w_max), "k_pre": str(a.k_pre), "k_ver": str(a.k_ver),
+            "static_k": str(a.static_k), "depth": str(a.depth), "top_k": str(a.top_k),
+            "total_tokens": str(a.total_tokens), "max_seq_len": str(a.max_seq_len or ""),
+            "max_queue_size": str(a.max_queue_size)}
+
+
+def model_config(params: dict[str, str], kind: str = "cpu", name: str = MODEL_NAME) -> str:
+    lines = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
+    return CONFIG.format(name=name, kind=f"KIND_{kind.upper()}", parameters=lines)
+
+
+def write_repository(out: Path, params: dict[str, str], kind: str = "cpu", name: str = MODEL_NAME) -> Path:
+    (out / name / "1").mkdir(parents=True, exist_ok=True)
+    (out / name / "config.pbtxt").write_text(model_config(params, kind, name))
+    (out / name / "1" / "model.py").write_text(MODEL_PY)
+    return out
+
+
+def pytriton_dir() -> Path:
+    spec = importlib.util.find_spec("pytriton")  # located, not imported: pytriton itself wants numpy<2
+    if spec is None or importlib.util.find_spec("tritonclient") is None:
+        raise UserError(f"the serve extra is not installed: {SERVE_INSTALL}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def stub_site(path: Path | None) -> Path | None:
+    """The folder with numpy<2 for the stub, or None when this python's numpy is already <2."""
+    if int(importlib.metadata.version("numpy").split(".")[0]) < 2:
+        return None
+    path = Path(path or STUB_SITE)
+    if not (path / "numpy").is_dir():
+        raise UserError(f"tritonserver's Python stub needs numpy<2 and this python has numpy 2: "
+                        f"pip install --no-deps --target {path} 'numpy<2' (or pass --stub-site DIR)")
+    return path
+
+
+class TritonServer:
+    """One tritonserver process: `with TritonServer(repo, ...) as s: s.wait_ready()`; leaving stops it and
+    removes its stubs, shared-memory regions and temporary files."""
+
+    def __init__(self, repo: Path, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
+                 metrics_port: int = 8002, exit_timeout: int = 5, log_file: Path | None = None,
+                 stub_site_dir: Path | None = None):
+        self.repo, self.host = Path(repo).resolve(), host
+        self.stub_site = stub_site(stub_site_dir)
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.exit_timeout = exit_timeout
+        self.workdir = Path(tempfile.mkdtemp(prefix="microspec-serve-"))
+        self.log_file = Path(log_file) if log_file else self.workdir / "tritonserver.log"
+        self.shm_prefix = f"microspec_{os.getpid()}_{grpc_port}_"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def start(self) -> TritonServer:
+        pt = pytriton_dir()
+        server = pt / "tritonserver"
+        backend = self.workdir / "backends" / "python"
+        backend.mkdir(parents=True)
+        for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            shutil.copy(server / "backends" / "python" / f, backend)
+        stub = server / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}"
+        shutil.copy(stub / "triton_python_backend_stub", backend)
+        env = dict(os.environ)
+        extend = lambda var, *first: os.pathsep.join([*map(str, first), *filter(None, [env.get(var)])])  # noqa: E731
+        env["LD_LIBRARY_PATH"] = extend("LD_LIBRARY_PATH", sysconfig.get_config_var("LIBDIR"),
+                                        pt.parent / "nvidia_pytriton.libs")
+        env["PATH"] = extend("PATH", Path(sys.executable).parent)
+        env["PYTHONPATH"] = extend("PYTHONPATH", *filter(None, [self.stub_site]), PACKAGE_ROOT)
+        cmd = [str(server / "bin" / "tritonserver"), f"--model-repository={self.repo}",
+               f"--backend-directory={self.workdir / 'backends'}",
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+               f"--http-address={self.host}", f"--http-port={self.http_port}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+               f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+               "--allow-gpu-metrics=false", f"--exit-timeout-secs={self.exit_timeout}"]
+        log = open(self.log_file, "ab")
+        # its own session: a Ctrl-C at the terminal reaches us only, and we stop the server and its stubs in order
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        log.close()
+        return self
+
+    def wait_ready(self, model: str = MODEL_NAME, timeout: float = 600) -> None:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise UserError(f"tritonserver exited with code {self.proc.returncode} before {model} was "
+                                    f"ready: {self.log_errors()}")
+                try:
+                    if client.is_model_ready(model):
+                        return
+                except InferenceServerException:
+                    pass  # not listening yet
+                time.sleep(0.2)
+        finally:
+            client.close()
+        raise UserError(f"{model} was not ready after {timeout:.0f} s (log: {self.log_file})")
+
+    def log_errors(self) -> str:
+        """The server log's error lines (glog `E...` lines and the model's exception), for a one-line message."""
+        lines = self.log_file.read_text(errors="replace").splitlines()
+        errors = [ln.split("] ", 1)[-1].split("\\n", 1)[0] for ln in lines  # the message, not the traceback
+                  if ln[:1] == "E" and ln[1:5].isdigit() and "CudaDriverHelper" not in ln]  # no GPU: not an error
+        return " | ".join(errors[-3:]) or f"see {self.log_file}"
+
+    def stop(self) -> int | None:
+        """Graceful stop (in-flight requests get exit_timeout seconds), then kill whatever is left."""
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(self.exit_timeout + 30)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # also after a second Ctrl-C: then this is the forced stop
+            rc = self.proc.poll() if self.proc is not None else None
+            if self.proc is not None:
+                try:  # the server and any stub it left behind share the process group we started
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+            for f in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+                f.unlink(missing_ok=True)
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return rc
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM unwinds like Ctrl-C: the server is stopped
+    pytriton_dir()  # fail early and clearly without the serve extra
+    stub_site(a.stub_site)
+    with tempfile.TemporaryDirectory(prefix="microspec-repo-") as tmp:
+        repo = Path(a.model_repository) if a.model_repository else None
+        if repo is None:
+            from ..llm import DRAFT_SUBDIR, resolve_engine
+
+            a.engine = resolve_engine(a.engine).resolve()  # builds a model key's engine here, not in the stub
+            draft = Path(a.draft) if a.draft else a.engine / DRAFT_SUBDIR
+            if a.method != "ar" and not draft.exists():
+                raise UserError(f"method {a.method} needs a draft head: pass --draft DIR (none at {draft})")
+            a.draft = draft.resolve() if a.draft else None
+            kind = a.instance_kind or ("gpu" if (a.device or "").startswith("cuda") else "cpu")
+            repo = write_repository(Path(tmp), model_params(a), kind)
+        elif not (repo / MODEL_NAME / "config.pbtxt").exists():
+            raise UserError(f"{repo} has no {MODEL_NAME}/config.pbtxt")
+        with TritonServer(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, a.exit_timeout,
+                          a.log_file, a.stub_site) as server:
+            print(f"starting tritonserver on {repo} (log: {server.log_file})", file=sys.stderr)
+            t0 = time.monotonic()
+            server.wait_ready(timeout=a.ready_timeout)
+            print(f"{MODEL_NAME} ready in {time.monotonic() - t0:.1f} s\n"
+                  f"  gRPC     {server.grpc_url}  (streaming: microspec client --url {server.grpc_url})\n"
+                  f"  HTTP     http://{a.host}:{a.http_port}/v2/models/{MODEL_NAME}\n"
+                  f"  metrics  http://{a.host}:{a.metrics_port}/metrics\n"
+                  "Ctrl-C to stop.", flush=True)
+            try:
+                rc = server.proc.wait()
+            except KeyboardInterrupt:
+                print("stopping tritonserver", file=sys.stderr)
+                return
+            raise UserError(f"tritonserver exited with code {rc}: {server.log_errors()}")
+
+
+def register(sub) -> None:
+    from ..cli import add_llm_args
+
+    p = sub.add_parser("serve", help="serve MicroSpec through a real Triton Inference Server (gRPC streaming)")
+    add_llm_args(p)
+    p.set_defaults(method="microspec", func=cmd_serve)
+    p.add_argument("--model-repository", help="serve this repository as it is (e.g. triton_repo) instead of "
+                   "writing one from the options above")
+    p.add_argument("--instance-kind", choices=["cpu", "gpu"], help="Triton instance kind (default: gpu for a cuda "
+                   "device, else cpu); a gpu instance runs on the device Triton gives it")
+    p.add_argument("--max-queue-size", type=int, default=64, help="requests waiting beyond this are refused")
+    p.add_argument("--host", default="127.0.0.1", help="address the endpoints listen on")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--exit-timeout", type=int, default=5, help="seconds in-flight requests get at shutdown")
+    p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for the model to load")
+    p.add_argument("--log-file", help="tritonserver's log (default: a temporary file, removed at exit)")
+    p.add_argument("--stub-site", help=f"folder holding numpy<2 for Triton's Python stub (default: {STUB_SITE})")
+

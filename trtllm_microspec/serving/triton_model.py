@@ -1,0 +1,184 @@
+"""The Triton Python-backend model: MicroSpec behind `text_input` -> streamed `text_output`.
+
+Runs inside Triton's Python stub (`triton_repo/microspec/1/model.py` re-exports `TritonPythonModel`). The model is
+decoupled: `execute` only validates requests (bad ones get an error response at once) and queues them; one worker
+thread runs them in order, because the LLM holds static KV caches and serves one request at a time. Streaming
+requests get one response per text piece, then a final one with the statistics; non-streaming ones get a single
+response with the whole text and the statistics.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..llm import LLM
+from ..models.registry import UserError
+
+
+@dataclass
+class Job:
+    sender: object  # the request's response sender: requests themselves may not outlive `execute`
+    prompt: str
+    max_tokens: int
+    stream: bool
+    chat: bool
+    end_id: int | None
+    stop_words: list[str]
+    prompt_tokens: int
+
+
+class Shutdown(Exception):
+    pass
+
+
+def _input(request, name: str):
+    """The single value of an optional input, or None when the request left it out."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    return t.as_numpy().reshape(-1)
+
+
+def _decode(b: bytes, name: str) -> str:
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{name} is not valid UTF-8: {e}") from None
+
+
+def _response(text: str, stats: dict | None = None):
+    out = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
+    if stats is not None:
+        out += [pb_utils.Tensor("num_input_tokens", np.array([stats["prompt_tokens"]], np.int32)),
+                pb_utils.Tensor("num_output_tokens", np.array([stats["new_tokens"]], np.int32)),
+                pb_utils.Tensor("acceptance_length", np.array([stats["acceptance_length"]], np.float32)),
+                pb_utils.Tensor("mean_active_vocab", np.array([stats["vocab_mean"]], np.float32))]
+    return pb_utils.InferenceResponse(output_tensors=out)
+
+
+def _error(message: str, code: str = "INVALID_ARG"):
+    # pb_utils gets TritonError and the flags from the stub once the model runs, not at import
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
+
+
+def _send(sender, response=None, final: bool = False) -> None:
+    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        p = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        device = p.get("device") or None
+        if args["model_instance_kind"] == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        ints = {k: int(p[k]) for k in ("w_max", "k_pre", "k_ver", "static_k", "depth", "top_k", "total_tokens",
+                                       "max_seq_len") if p.get(k)}  # left out or empty: LLM's default
+        self.llm = LLM(p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
+                       device=device, **ints)
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=int(p.get("max_queue_size", 64)))
+        self.stopping = False
+        self.worker = threading.Thread(target=self._work, name="microspec-worker", daemon=True)
+        self.worker.start()
+
+    def execute(self, requests) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                job = self._parse(request, sender)
+                if self.stopping:
+                    raise Shutdown()
+                self.jobs.put_nowait(job)
+            except UserError as e:
+                _send(sender, _error(str(e)), final=True)
+            except queue.Full:
+                _send(sender, _error(f"the server is busy: {self.jobs.maxsize} requests are already queued",
+                                     "UNAVAILABLE"), final=True)
+            except Shutdown:
+                _send(sender, _error("the server is shutting down", "UNAVAILABLE"), final=True)
+        return None
+
+    def finalize(self) -> None:
+        self.stopping = True
+        while True:  # queued requests will never run: tell their clients
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                _send(job.sender, _error("the server is shutting down", "UNAVAILABLE"), final=True)
+        self.jobs.put(None)
+        self.worker.join(timeout=30)
+
+    def _parse(self, request, sender) -> Job:
+        # Triton itself rejects a missing text_input or max_tokens and wrong dtypes or shapes (config.pbtxt)
+        prompt = _decode(_input(request, "text_input")[0], "text_input")
+        if not prompt:
+            raise UserError("text_input is empty")
+        max_tokens = int(_input(request, "max_tokens")[0])
+        if not 0 < max_tokens <= self.llm.max_seq_len:
+            raise UserError(f"max_tokens must be between 1 and {self.llm.max_seq_len} (this engine's maximum "
+                            f"sequence length), got {max_tokens}")
+        stream, chat, end_id, stop = (_input(request, n) for n in ("stream", "chat", "end_id", "stop_words"))
+        chat = bool(chat[0]) if chat is not None else False
+        ids = self.llm.prompt_ids(prompt, chat)
+        self.llm.executor.check(ids, max_tokens)  # UserError for a prompt too long for the engine
+        return Job(sender=sender, prompt=prompt, max_tokens=max_tokens,
+                   stream=bool(stream[0]) if stream is not None else False, chat=chat,
+                   end_id=int(end_id[0]) if end_id is not None else None,
+                   stop_words=[w for w in (_decode(b, "stop_words") for b in stop) if w] if stop is not None else [],
+                   prompt_tokens=len(ids))
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                self._run(job)
+            except Shutdown:
+                _send(job.sender, _error("the server is shutting down", "UNAVAILABLE"), final=True)
+            except Exception as e:  # a failure in one request must not stop the worker
+                try:
+                    _send(job.sender, _error(f"generation failed: {type(e).__name__}: {e}", "INTERNAL"), final=True)
+                except Exception:
+                    pass  # the client is gone
+
+    def _run(self, job: Job) -> None:
+        gen = self.llm.stream_tokens(job.prompt, job.max_tokens, job.chat)
+        text, ids = "", []  # what was generated so far (text: cut at a stop word or end_id)
+        try:
+            while True:
+                if self.stopping:
+                    raise Shutdown()
+                if job.sender.is_cancelled():
+                    return  # the client cancelled or went away: `finally` frees the model for the next one
+                try:
+                    piece, toks = next(gen)
+                except StopIteration as stop:
+                    stats = stop.value.stats
+                    break
+                ids += toks
+                cut = self._stop_at(job, text + piece, ids)
+                if cut is not None:
+                    piece = (text + piece)[len(text):cut]
+                text += piece
+                if job.stream and piece:
+                    _send(job.sender, _response(piece))
+                if cut is not None:
+                    # the executor did not finish, so there are no round statistics for this request
+                    stats = {"prompt_tokens": job.prompt_tokens, "new_tokens": len(ids),
+                             "acceptance_length": 0.0, "vocab_mean": 0.0}
+                    break
+        finally:
+            gen.close()  # releases the LLM's lock if we stopped early
+        _send(job.sender, _response("" if job.stream else text, stats), final=True)
+
+    def _stop_at(self, job: Job, text: str, ids: list[int]) -> int | None:
+        """Where the output ends because of the request's end_id or stop words (they are not part of it)."""
+        cuts = [i for i in (text.find(w) for w in job.stop_words) if i >= 0]
+        if job.end_id is not None and job.end_id in ids:
+            cuts.append(len(self.llm.tokenizer.decode(ids[: ids.index(job.end_id)])))
+        return min(cuts) if cuts else None
