@@ -1,0 +1,290 @@
+"""`python -m plugins.check`: on the GPU, every CUDA op against the torch reference on random inputs.
+
+Window ops (unique_first, window_update, gather_rows) must agree bit for bit with the reference run on CPU
+copies of the same inputs: outputs and the whole window state after every step. packed_head must agree up to
+ties: its log-probs equal the top-k of a float64 model within 1e-4, and each returned id carries the log-prob
+the model gives that id. The last check captures update + gather (copy stream) + head in a CUDA graph and
+replays it on fresh inputs. Prints a PASS/FAIL table; exit status 1 on any failure, 2 without a GPU or kernels.
+"""
+from __future__ import annotations
+
+import faulthandler
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+DEV = "cuda"  # what the checks compare with the reference on CPU (set to "cpu" to test the checker itself)
+STATE = ("ring", "head", "count", "slot_of", "id_of", "first")  # window_update's state arguments, in order
+
+
+def new_window(V: int, W: int, pinned=(), device="cpu", R: int | None = None) -> dict:
+    """A fresh window state (layout in ops.py) with the pinned ids active in the first slots; R = W + pinned."""
+    P = len(pinned)
+    R = W + P if R is None else R
+    st = dict(ring=torch.full((W + 1,), -1), head=torch.zeros(1, dtype=torch.long),
+              count=torch.zeros(V + 1, dtype=torch.int32), slot_of=torch.full((V + 1,), -1),
+              id_of=torch.full((R + 1,), -1), first=torch.full((V + 1,), ops.BIG))
+    p = torch.tensor(list(pinned), dtype=torch.long)
+    st["count"][p] = 1
+    st["slot_of"][p] = torch.arange(P)
+    st["id_of"][:P] = p
+    return {k: v.to(device) for k, v in st.items()}
+
+
+def stream_ids(g: torch.Generator, V: int, n: int, pad: float) -> torch.Tensor:
+    """n ids: 70% from a small hot set (duplicates within and across appends), the rest uniform; some -1."""
+    hot = torch.randint(V, (max(1, min(V, 64)),), generator=g)
+    ids = torch.where(torch.rand(n, generator=g) < 0.7, hot[torch.randint(hot.numel(), (n,), generator=g)],
+                      torch.randint(V, (n,), generator=g))
+    return torch.where(torch.rand(n, generator=g) < pad, -1, ids)
+
+
+def exact_inputs(g: torch.Generator, *shape, dtype=torch.bfloat16) -> torch.Tensor:
+    """Multiples of 1/8 in [-1/2, 1/2]: every GEMM over them is exact in fp32, whatever the summation order."""
+    return (torch.randint(-4, 5, shape, generator=g).float() / 8).to(dtype)
+
+
+def diff(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape:
+        return f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    bad = (got != want).nonzero()
+    if bad.numel():
+        i = tuple(bad[0].tolist())
+        return f"{name}: {bad.shape[0]} entries differ, first at {i}: {got[i].item()} != {want[i].item()}"
+    return None
+
+
+def worst(x: torch.Tensor) -> float:
+    return x.abs().max().item() if x.numel() else 0.0
+
+
+def head_error(logp, ids, model_logp, id_of, k, tol=1e-4) -> str | None:
+    """None if (logp, ids) [T, k] is a top-k of model_logp [T, R] (per slot, float64) up to ties."""
+    logp, ids, model_logp, id_of = logp.cpu().double(), ids.cpu(), model_logp.cpu(), id_of.cpu()
+    want = model_logp.topk(k).values
+    got = logp.sort(-1, descending=True).values
+    if not torch.equal(torch.isinf(got), torch.isinf(want)) or worst((got - want)[torch.isfinite(want)]) > tol:
+        return f"log-probs differ from the model's top-{k}: max error {(got - want).nan_to_num().abs().max():.2e}"
+    fin = torch.isfinite(logp)
+    if bool((ids[~fin] != 0).any()):
+        return "an -inf entry does not map to id 0"
+    slot_of = torch.full((int(max(id_of.max(), ids.max())) + 1,), -1, dtype=torch.long)
+    slot_of[id_of[id_of >= 0]] = torch.nonzero(id_of >= 0).flatten()
+    slot = slot_of[ids]
+    if bool((slot[fin] < 0).any()):
+        return "an id that holds no slot was returned"
+    got_model = model_logp.gather(1, slot.clamp(min=0))
+    err = worst((got_model - logp)[fin])
+    if err > tol:
+        return f"a returned id's log-prob differs from the model's for that id by {err:.2e}"
+    for t in range(ids.shape[0]):
+        row = ids[t][fin[t]]
+        if row.unique().numel() != row.numel():
+            return f"row {t} repeats an id"
+    return None
+
+
+def model_logp(hidden, packed, id_of) -> torch.Tensor:
+    """float64 log-softmax over the slots, of logits rounded to the GEMM's output dtype."""
+    logits = (hidden.double() @ packed.double().T).to(hidden.dtype).double()
+    return torch.log_softmax(logits.masked_fill(id_of < 0, float("-inf")), -1)
+
+
+def check_unique_first() -> str:
+    g = torch.Generator().manual_seed(0)
+    cases = [(10, 50, 0.1), (1000, 1, 0.0), (128256, 20000, 0.1), (100, 0, 0.0), (100, 64, 1.0), (5, 3000, 0.3)]
+    for V, n, pad in cases:
+        ids = stream_ids(g, V, n, pad)
+        first_c, first_g = torch.full((V + 1,), ops.BIG), torch.full((V + 1,), ops.BIG, device=DEV)
+        want, got = ops.unique_first(ids, first_c), ops.unique_first(ids.to(DEV), first_g)
+        err = diff(f"V={V} n={n}: output", got, want) or diff(f"V={V} n={n}: first", first_g, first_c)
+        if err:
+            raise AssertionError(err)
+    return f"{len(cases)} cases up to n=20000, duplicates and padding"
+
+
+def check_window_update() -> str:
+    g = torch.Generator().manual_seed(1)
+    # (V, W, pinned, R or None, append sizes): tiny windows with appends longer than W, empty and all-padding
+    # appends, the real shape (W=3072, 128k vocabulary) with a long first append, and too few slots (R < W)
+    cases = [(40, 8, [], None, [5, 20, 0, 3, 9, 1, 30, 64, 2]),
+             (300, 32, [0, 7], None, [40, 10, 25, 33, 1, 64, 0, 100]),
+             (128256, 3072, [1, 128001], None, [10000] + [250, 60, 130] * 12),
+             (2000, 256, [3], None, [600] + [250] * 10),
+             (500, 64, [], 40, [80, 30, 30, 90, 10])]
+    steps = 0
+    for V, W, pinned, R, sizes in cases:
+        cpu, gpu = new_window(V, W, pinned, R=R), new_window(V, W, pinned, DEV, R=R)
+        for step, n in enumerate(sizes):
+            ids = stream_ids(g, V, n, pad=1.0 if step == 3 else 0.1)  # step 3: all padding
+            want = ops.window_update(*(cpu[k] for k in STATE), ids)
+            got = ops.window_update(*(gpu[k] for k in STATE), ids.to(DEV))
+            where = f"V={V} W={W} step {step} (n={n})"
+            errs = [diff(f"{where}: {name}", got[i], want[i]) for i, name in enumerate(("ids", "slots"))]
+            errs += [diff(f"{where}: {k}", gpu[k], cpu[k]) for k in STATE]
+            if any(errs):
+                raise AssertionError(next(e for e in errs if e))
+            steps += 1
+    return f"{len(cases)} windows, {steps} steps, state compared after each"
+
+
+def check_gather_rows() -> str:
+    g = torch.Generator().manual_seed(2)
+    # (V, d, dtype, R, n rows, padded rows): the model widths, a full 3k refill, an odd row size that takes
+    # the unvectorised path, nothing to copy
+    cases = [(1000, 4096, torch.bfloat16, 400, 300, 200), (5000, 1536, torch.bfloat16, 3072, 3072, 0),
+             (2000, 3584, torch.bfloat16, 3074, 60, 440), (300, 64, torch.float32, 20, 10, 5),
+             (100, 7, torch.float16, 50, 40, 3), (50, 2048, torch.bfloat16, 8, 0, 0)]
+    for V, d, dtype, R, n, pad in cases:
+        src = torch.randn(V, d, generator=g).to(dtype)
+        dst = torch.randn(R + 1, d, generator=g).to(dtype)
+        ids = torch.cat([torch.randint(V, (n,), generator=g), torch.zeros(pad, dtype=torch.long)])
+        slots = torch.cat([torch.randperm(R, generator=g)[:n], torch.full((pad,), R)])
+        perm = torch.randperm(n + pad, generator=g)  # padding interleaved, as window_update returns it
+        ids, slots = ids[perm], slots[perm]
+        want, got = dst.clone(), dst.to(DEV)
+        ops.gather_rows(src, ids, want, slots)
+        ops.gather_rows(src.to(DEV), ids.to(DEV), got, slots.to(DEV))
+        err = diff(f"V={V} d={d} {dtype} n={n}: dst[:R]", got[:R], want[:R])  # dst[R] is the padding sink
+        if err:
+            raise AssertionError(err)
+    return f"{len(cases)} cases, bf16/fp16/fp32, padded rows interleaved"
+
+
+def head_cases(g):
+    # (T, R, d, k, share of empty slots): the draft shapes, the largest fused R, the torch-epilogue path
+    # (R > fused rows), fewer active slots than k
+    for T, R, d, k, empty in [(1, 3074, 4096, 10, 0.02), (10, 3074, 2048, 10, 0.1), (60, 3074, 1536, 10, 0.1),
+                              (7, 8192, 256, 32, 0.3), (5, 20000, 128, 10, 0.1), (3, 16, 64, 10, 0.75),
+                              (4, 100, 64, 1, 0.0)]:
+        id_of = torch.randperm(200000, generator=g)[:R]
+        id_of[torch.rand(R, generator=g) < empty] = -1
+        yield T, R, d, k, id_of
+
+
+def check_packed_head_exact() -> str:
+    g = torch.Generator().manual_seed(3)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # keep the fp32 sum exact
+    n = 0
+    for T, R, d, k, id_of in head_cases(g):
+        hidden, packed = exact_inputs(g, T, d).to(DEV), exact_inputs(g, R, d).to(DEV)
+        logp, ids = ops.packed_head(hidden, packed, id_of.to(DEV), k)
+        err = head_error(logp, ids, model_logp(hidden.cpu(), packed.cpu(), id_of), id_of, k)
+        if err:
+            raise AssertionError(f"T={T} R={R} d={d} k={k}: {err}")
+        n += 1
+    return f"{n} cases (R up to 20000, T up to 60, k up to 32) vs an exact float64 model"
+
+
+def check_packed_head_random() -> str:
+    g = torch.Generator().manual_seed(4)
+    n = 0
+    for T, R, d, k, id_of in head_cases(g):
+        hidden = torch.randn(T, d, generator=g).to(torch.bfloat16).to(DEV)
+        packed = (torch.randn(R, d, generator=g) / d ** 0.5).to(torch.bfloat16).to(DEV)
+        id_of = id_of.to(DEV)
+        logits = F.linear(hidden, packed).double()  # the GEMM both sides share
+        model = torch.log_softmax(logits.masked_fill(id_of < 0, float("-inf")), -1)
+        for name, fn in (("cuda", ops.packed_head), ("reference", ops.REFERENCE["packed_head"])):
+            err = head_error(*fn(hidden, packed, id_of, k), model, id_of, k)
+            if err:
+                raise AssertionError(f"{name} T={T} R={R} k={k}: {err}")
+        n += 1
+    return f"{n} cases on random normal bf16, the op and the torch reference on the same GPU logits"
+
+
+def check_graph() -> str:
+    """update + gather on a copy stream + head, captured once, replayed on new appends; vs the CPU reference."""
+    g = torch.Generator().manual_seed(5)
+    V, W, d, k, n, T, pinned = 5000, 200, 256, 10, 256, 10, [2, 4999]
+    head_c = exact_inputs(g, V, d)
+    hidden_c = exact_inputs(g, T, d)
+    cpu, gpu = new_window(V, W, pinned), new_window(V, W, pinned, DEV)
+    R = W + len(pinned)
+    packed_c = torch.zeros(R + 1, d, dtype=torch.bfloat16)
+    ops.gather_rows(head_c, torch.tensor(pinned), packed_c, torch.arange(len(pinned)))
+    head_g, hidden_g, packed_g = head_c.to(DEV), hidden_c.to(DEV), packed_c.to(DEV)
+    new_ids = torch.full((n,), -1, device=DEV)  # static input: appends shorter than n are padded with -1
+    copy = torch.cuda.Stream()
+
+    def step():
+        rows, slots = ops.window_update(*(gpu[k] for k in STATE), new_ids)
+        copy.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(copy):
+            ops.gather_rows(head_g, rows, packed_g, slots)
+        torch.cuda.current_stream().wait_stream(copy)
+        return ops.packed_head(hidden_g, packed_g[:R], gpu["id_of"][:R], k)
+
+    side = torch.cuda.Stream()  # warm-up (all padding: leaves the state as it is), then capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logp, ids = step()
+    replays = 8
+    for r in range(replays):
+        m = [n, 37, 0, 256, 120, 1, 200, 256][r]
+        appended = stream_ids(g, V, m, pad=0.1)
+        new_ids.fill_(-1)
+        new_ids[:m].copy_(appended)
+        graph.replay()
+        torch.cuda.synchronize()
+        rows, slots = ops.window_update(*(cpu[k] for k in STATE), torch.cat([appended, torch.full((n - m,), -1)]))
+        ops.gather_rows(head_c, rows, packed_c, slots)
+        errs = [diff(f"replay {r}: {k}", gpu[k], cpu[k]) for k in STATE]
+        errs.append(diff(f"replay {r}: packed rows", packed_g[:R], packed_c[:R]))
+        live = cpu["id_of"][:R] >= 0
+        errs.append(diff(f"replay {r}: packed rows vs head rows", packed_c[:R][live], head_c[cpu["id_of"][:R][live]]))
+        err = head_error(logp, ids, model_logp(hidden_c, packed_c[:R], cpu["id_of"][:R]), cpu["id_of"][:R], k)
+        errs.append(err and f"replay {r}: packed_head: {err}")
+        if any(errs):
+            raise AssertionError(next(e for e in errs if e))
+    return f"{replays} replays of one capture (copy stream + join), state, packed rows and head checked"
+
+
+CHECKS = [("unique_first", check_unique_first), ("window_update", check_window_update),
+          ("gather_rows", check_gather_rows), ("packed_head, exact inputs", check_packed_head_exact),
+          ("packed_head vs reference, random", check_packed_head_random), ("CUDA graph replay", check_graph)]
+
+
+def main() -> int:
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang prints where it is and exits instead
+    if not torch.cuda.is_available():
+        print("plugins.check: FAIL: no CUDA device (the CPU path runs the reference; see tests/test_ops.py)")
+        return 2
+    import plugins
+
+    if plugins.BACKEND != "cuda":
+        print(f"plugins.check: FAIL: the CUDA kernels are not registered (MICROSPEC_PLUGINS={plugins.MODE}); "
+              "build them with `python build_scripts/build_plugins.py` to see the compiler's error")
+        return 2
+    print(f"plugins.check on {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows, failed = [], 0
+    for name, fn in CHECKS:
+        t = time.perf_counter()
+        try:
+            detail, ok = fn(), True
+        except Exception as e:
+            detail, ok = f"{type(e).__name__}: {e}", False
+            traceback.print_exc()
+            failed += 1
+        rows.append((name, "PASS" if ok else "FAIL", f"{time.perf_counter() - t:5.1f}s", detail))
+        print(f"  {rows[-1][1]} {name}", flush=True)
+    w = max(len(r[0]) for r in rows)
+    print(f"\n| {'op':{w}s} | result | time   | detail\n|{'-' * (w + 2)}|--------|--------|--------")
+    for name, res, t, detail in rows:
+        print(f"| {name:{w}s} | {res}   | {t} | {detail}")
+    print(f"\n{'ALL PASS' if not failed else f'{failed} FAILED'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
