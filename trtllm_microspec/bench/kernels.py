@@ -1,0 +1,304 @@
+"""`microspec bench-kernels`: MicroSpec's kernels and one whole draft step on the GPU, at four LM-head shapes.
+
+Every figure is the median over --iters of one CUDA-graph replay timed with CUDA events, with the L2 cache
+flushed before each replay (in a real round the target model evicts everything in between). Rows:
+  head full / static 32k / packed 3k   ops.packed_head over V, 32,768 or W_max + 2 rows: GEMM + masked
+                                       log-softmax + top-k + slot -> id. "torch epilogue" is the reference op
+                                       on the same buffer (A/B of the fused epilogue), "GEMM only" is F.linear.
+  gather delta / refill                ops.gather_rows of one step's newly active rows (the mean over a synthetic
+                                       Zipf(1) stream, inside window_update's padded output of 2 x --step-ids
+                                       rows), and of all W_max rows (a request's start)
+  window update                        ops.window_update of --step-ids ids from that stream
+  step ...                             one draft step: the EAGLE backbone (fc + one decoder layer at the model's
+                                       shape, random bf16 weights, 1024 cached positions) then the head:
+                                       full, static 32k, static 3k (an already-packed buffer), microspec (update,
+                                       the gather on a copy stream overlapping the backbone, head on the packed
+                                       buffer), microspec without the gather, with the gather on the compute
+                                       stream, and naive (the paper's "x Async": update + an indexed GEMM over
+                                       head[id_of] each call, no packing)
+Bandwidth = the bytes a kernel must move (weights read; a gather reads and writes each row) / its time, against
+the 4.2 TB/s measured copy bandwidth (shared/GPU.md). "launch" is the replay of one empty kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models.model import ModelConfig
+from ..models.registry import UserError
+
+COPY_BW = 4.2e12  # bytes/s, read + written, measured on the H200 (shared/GPU.md)
+DEVICE = "cuda"
+CONTEXT = 1024  # committed positions the draft layer attends to
+STATIC_K = 32768
+PINNED = [0, 1]  # stand-ins for the EOS ids every window pins
+SHAPES = {  # the target model's LM head and the EAGLE layer of its shape
+    "llama3-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32,
+                      num_kv_heads=8, head_dim=128),
+    "llama3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_heads=32,
+                        num_kv_heads=8, head_dim=64),
+    "qwen2-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_heads=28,
+                     num_kv_heads=4, head_dim=128, attention_bias=True),
+    "qwen2.5-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_heads=12,
+                         num_kv_heads=2, head_dim=128, attention_bias=True),
+}
+
+
+class Timer:
+    def __init__(self, iters: int):
+        self.iters = iters
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # 5x the H200's L2
+
+    def __call__(self, fn, feed=None) -> float:
+        """Median microseconds of one replay of fn captured in a CUDA graph; feed(i) refreshes its inputs."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: cuBLAS handles, lazy inits
+            for i in range(2):
+                feed and feed(i)
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.iters + 3)]
+        for i, (a, b) in enumerate(events):
+            feed and feed(i)
+            self.flush.zero_()
+            a.record()
+            graph.replay()
+            b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events[3:])
+
+
+def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
+    from plugins import ops
+    from plugins.check import STATE, new_window
+
+    from ..spec.eagle import EagleDraft
+
+    dev, bf16, K, W = DEVICE, torch.bfloat16, a.top_k, a.w_max
+    cfg = ModelConfig(**shape, num_layers=1, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      max_seq_len=CONTEXT + 2 * max(a.rows), tie_word_embeddings=False)
+    V, d = cfg.vocab_size, cfg.hidden_size
+    g = torch.Generator(device=dev).manual_seed(0)
+    head = torch.randn(V, d, generator=g, device=dev).mul_(0.02).to(bf16)
+    with torch.device(dev):
+        draft = EagleDraft(cfg, bias=False)
+    draft.setup(None, bf16, dev)  # no target: the backbone below embeds with the head table
+    backbone_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
+    backbone_bytes += 2 * cfg.num_kv_heads * CONTEXT * cfg.head_dim * 2  # K and V of the context
+
+    # the window, filled from a synthetic stream: ranks log-uniform over the vocabulary (Zipf, exponent 1)
+    perm = torch.randperm(V, generator=g, device=dev)
+
+    def zipf(n: int) -> torch.Tensor:
+        rank = torch.exp(torch.rand(n, generator=g, device=dev) * math.log(V)).long().clamp(1, V) - 1
+        return perm[rank]
+
+    st = new_window(V, W, PINNED, dev)
+    state = [st[k] for k in STATE]
+    R = W + len(PINNED)
+    packed_all = torch.zeros(R + 1, d, dtype=bf16, device=dev)
+    packed, id_of = packed_all[:R], st["id_of"][:R]
+    ops.gather_rows(head, torch.tensor(PINNED, device=dev), packed_all, torch.arange(len(PINNED), device=dev))
+    rows, slots = ops.window_update(*state, zipf(4 * W))
+    ops.gather_rows(head, rows, packed_all, slots)
+    pool = torch.stack([zipf(a.step_ids) for _ in range(64)])
+    fresh = torch.zeros((), dtype=torch.long, device=dev)
+    for ids in pool:  # eagerly, once: how many rows a step really gathers
+        rows, slots = ops.window_update(*state, ids)
+        ops.gather_rows(head, rows, packed_all, slots)
+        fresh += (slots < R).sum()
+    delta = max(1, round(fresh.item() / len(pool)))
+    step_ids = pool[0].clone()
+
+    def feed(i: int) -> None:
+        step_ids.copy_(pool[i % len(pool)])
+
+    out = []
+
+    def add(kernel: str, T, us: float, nbytes: float | None) -> None:
+        out.append(dict(shape=name, rows=T, kernel=kernel, us=us, mb=nbytes and nbytes / 1e6,
+                        tb_s=nbytes and nbytes / us / 1e6, pct_copy=nbytes and 100 * nbytes / us / 1e6 / (COPY_BW / 1e12),
+                        floor_us=nbytes and nbytes / COPY_BW * 1e6))
+
+    # per step, whatever the number of hidden rows: the gathers and the window update
+    scratch = torch.empty(R + 1, d, dtype=bf16, device=dev)
+    n2 = 2 * a.step_ids
+    d_ids = torch.zeros(n2, dtype=torch.long, device=dev)
+    d_slots = torch.full((n2,), R, dtype=torch.long, device=dev)
+    where = torch.randperm(n2, generator=g, device=dev)[:delta]
+    d_ids[where] = torch.randint(V, (delta,), generator=g, device=dev)
+    d_slots[where] = torch.randperm(R, generator=g, device=dev)[:delta]
+    add(f"gather delta ({delta} of {n2} rows)", "-", timer(lambda: ops.gather_rows(head, d_ids, scratch, d_slots)),
+        2 * delta * d * 2)
+    full_ids, full_slots = torch.randint(V, (W,), generator=g, device=dev), torch.arange(W, device=dev)
+    add(f"gather refill ({W} rows)", "-", timer(lambda: ops.gather_rows(head, full_ids, scratch, full_slots)),
+        2 * W * d * 2)
+    add(f"window update ({a.step_ids} ids)", "-", timer(lambda: ops.window_update(*state, step_ids), feed), None)
+
+    heads = {"full": (head, torch.arange(V, device=dev)),
+             "static 32k": (head[:STATIC_K], torch.arange(STATIC_K, device=dev))}
+    ids3 = torch.randperm(V, generator=g, device=dev)[:R]
+    heads["packed 3k"] = (head.index_select(0, ids3), ids3)
+    copy = torch.cuda.Stream()
+
+    for T in a.rows:
+        hidden = torch.randn(T, d, generator=g, device=dev).to(bf16)
+        for kind, (buf, ids) in heads.items():
+            add(f"head {kind}", T, timer(lambda: ops.packed_head(hidden, buf, ids, K)), buf.numel() * 2)
+        buf, ids = heads["packed 3k"]
+        add("head packed 3k, torch epilogue", T, timer(lambda: ops.REFERENCE["packed_head"](hidden, buf, ids, K)),
+            buf.numel() * 2)
+        add("head packed 3k, GEMM only", T, timer(lambda: F.linear(hidden, buf)), buf.numel() * 2)
+
+        tokens = torch.randint(V, (T,), generator=g, device=dev)
+        feats = torch.randn(T, d, generator=g, device=dev).to(bf16)
+        kv = CONTEXT + torch.arange(T, device=dev)
+        cos, sin = draft.rope[0][CONTEXT].expand(T, -1), draft.rope[1][CONTEXT].expand(T, -1)
+        mask = torch.zeros(T, CONTEXT + T, dtype=bf16, device=dev)  # additive: all visible
+
+        def backbone():  # EagleDraft.hidden, less its per-call mask building
+            x = draft.fc(torch.cat([F.embedding(tokens, head), feats], -1))
+            return draft.layers[0](x, cos, sin, kv, mask, draft.cache.k[0], draft.cache.v[0])
+
+        def static_step(kind):
+            buf, ids = heads[kind]
+            return lambda: ops.packed_head(backbone(), buf, ids, K)
+
+        def microspec_step(gather: str):
+            def step():
+                rows, slots = ops.window_update(*state, step_ids)
+                cur = torch.cuda.current_stream()
+                if gather == "copy stream":  # the paper's pipeline: the copy hides behind the backbone
+                    copy.wait_stream(cur)
+                    with torch.cuda.stream(copy):
+                        ops.gather_rows(head, rows, packed_all, slots)
+                elif gather == "compute stream":
+                    ops.gather_rows(head, rows, packed_all, slots)
+                h = backbone()
+                if gather == "copy stream":
+                    cur.wait_stream(copy)
+                return ops.packed_head(h, packed, id_of, K)
+            return step
+
+        def naive_step():
+            ops.window_update(*state, step_ids)
+            return ops.packed_head(backbone(), head[id_of.clamp(min=0)], id_of, K)
+
+        steps = {"step full": (static_step("full"), V), "step static 32k": (static_step("static 32k"), STATIC_K),
+                 "step static 3k": (static_step("packed 3k"), R),
+                 "step microspec": (microspec_step("copy stream"), R),
+                 "step microspec, no gather": (microspec_step("none"), R),
+                 "step microspec, gather on compute stream": (microspec_step("compute stream"), R),
+                 "step naive indexed GEMM (ablation)": (naive_step, R)}
+        for kernel, (fn, rows) in steps.items():
+            add(kernel, T, timer(fn, feed), backbone_bytes + rows * d * 2)
+    return out
+
+
+def targets(rows: list[dict], launch: float) -> list[dict]:
+    """The issue's targets, each per shape and row count where it applies."""
+    by = {(r["shape"], r["rows"], r["kernel"].split(" (")[0]): r for r in rows}
+    out = []
+
+    def check(what, shape, T, value, limit, unit):
+        out.append(dict(target=what, shape=shape, rows=T, value=value, limit=limit, unit=unit,
+                        ok=bool(value < limit)))
+
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        upd = by[(shape, "-", "window update")]
+        check("window update < 10 us", shape, "-", upd["us"], 10.0, "us")
+        for T in sorted({r["rows"] for r in rows if r["shape"] == shape and r["rows"] != "-"}):
+            def us(kernel):
+                return by[(shape, T, kernel)]["us"]
+
+            h = by[(shape, T, "head packed 3k")]
+            check("packed 3k head <= 1.5 x byte floor + launch", shape, T, h["us"], 1.5 * h["floor_us"] + launch,
+                  "us")
+            check("gather adds < 5% to a microspec step", shape, T,
+                  100 * (us("step microspec") / us("step microspec, no gather") - 1), 5.0, "%")
+            check("microspec step <= 1.1 x static 3k step", shape, T, us("step microspec") / us("step static 3k"),
+                  1.1, "x")
+            if shape == "llama3-8b":
+                check("microspec step < 0.5 x full step", shape, T, us("step microspec") / us("step full"), 0.5, "x")
+    return out
+
+
+def markdown(rows: list[dict], tgts: list[dict], meta: dict) -> str:
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    lines = [f"# bench-kernels on {meta['device']}", "",
+             f"torch {meta['torch']}, ops backend **{meta['backend']}**, W_max {meta['w_max']}, "
+             f"{meta['step_ids']} ids per step, top-{meta['top_k']}; medians of {meta['iters']} CUDA-graph replays, "
+             f"L2 flushed before each; one empty-kernel replay (launch) = {meta['launch_us']:.1f} us; "
+             f"bandwidth against the {COPY_BW / 1e12:.1f} TB/s copy bandwidth.", "",
+             "| shape | rows | kernel | us | byte floor us | MB moved | TB/s | % copy BW |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['rows']} | {r['kernel']} | {r['us']:.1f} | {f(r['floor_us'], '.1f')} | "
+                     f"{f(r['mb'], '.1f')} | {f(r['tb_s'], '.2f')} | {f(r['pct_copy'], '.0f')} |")
+    lines += ["", "## Targets (measured, not asserted)", "", "| target | shape | rows | value | limit | |",
+              "|---|---|---:|---:|---:|---|"]
+    for t in tgts:
+        lines.append(f"| {t['target']} | {t['shape']} | {t['rows']} | {t['value']:.2f} {t['unit']} | "
+                     f"{t['limit']:.2f} {t['unit']} | {'PASS' if t['ok'] else 'MISS'} |")
+    met = sum(t["ok"] for t in tgts)
+    lines += ["", f"{met} of {len(tgts)} targets met."]
+    return "\n".join(lines) + "\n"
+
+
+def run(a) -> None:
+    if not torch.cuda.is_available():
+        raise UserError("bench-kernels needs a CUDA GPU")
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang prints where it is and exits
+    import plugins
+
+    if plugins.BACKEND != "cuda":
+        print(f"bench-kernels: WARNING: ops run the torch reference (backend {plugins.BACKEND}, "
+              f"MICROSPEC_PLUGINS={plugins.MODE}); the figures are the reference's", flush=True)
+    timer = Timer(a.iters)
+    tiny = torch.zeros(1, device="cuda")
+    launch = timer(lambda: tiny.add_(1))
+    rows = []
+    for name in a.shapes:
+        print(f"bench-kernels: {name} ...", flush=True)
+        rows += bench_shape(name, SHAPES[name], a, timer)
+        torch.cuda.empty_cache()
+    tgts = targets(rows, launch)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, backend=plugins.BACKEND,
+                w_max=a.w_max, step_ids=a.step_ids, top_k=a.top_k, iters=a.iters, launch_us=launch,
+                copy_bw=COPY_BW)
+    text = markdown(rows, tgts, meta)
+    print(text)
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, targets=tgts), indent=1) + "\n")
+        print(f"wrote {out} and {out.with_suffix('.json')}")
+    faulthandler.cancel_dump_traceback_later()
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench-kernels", help="time MicroSpec's kernels and draft steps on the GPU",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the markdown table to this file and JSON beside it (.json)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 10, 60], help="hidden-state rows per head call")
+    p.add_argument("--iters", type=int, default=30, help="timed replays per figure (median)")
+    p.add_argument("--w-max", type=int, default=3072)
+    p.add_argument("--step-ids", type=int, default=250, help="ids appended to the window per step")
+    p.add_argument("--top-k", type=int, default=10)
+    p.set_defaults(func=run)
