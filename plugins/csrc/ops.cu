@@ -354,6 +354,7 @@ void gather_rows(at::Tensor src, at::Tensor ids, at::Tensor dst, at::Tensor slot
 
 std::tuple<at::Tensor, at::Tensor> logsoftmax_topk(at::Tensor logits, at::Tensor id_of, int64_t k) {
   logits = logits.contiguous();
+  id_of = id_of.contiguous();
   check_long(id_of, "id_of");
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.size(1) == id_of.numel(),
               "logsoftmax_topk: logits must be [T, R] with R = id_of.numel()");
