@@ -2,6 +2,10 @@
 
 `Executor.run` is a generator: it yields the tokens emitted by each step (so callers can stream) and returns
 the request's Stats. Greedy only; the speculative output is token for token the AR output.
+
+Device state lives in persistent tensors (`n` = committed length, `root`, `h_last`, the counters), updated
+in place by three phases per round -- draft, verify, update -- so the round has no host synchronisation but
+the one read of the emitted tokens, and on CUDA each phase is captured in a graph per KV-length bucket.
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import torch
 
 from ..models.model import Transformer
 from ..models.registry import UserError
-from ..spec.tree import TreeConfig, accept, causal_mask, draft_tree, verify
+from ..spec.tree import TreeConfig, accept, attention_mask, causal, draft_tree, verify
+from .graphs import GraphRunner, bucket_for
 from .stats import Stats
 
 PREFILL_CHUNK = 512  # prompt rows per LM-head call when collecting top-K_pre (never [L x V] at once)
@@ -25,45 +30,47 @@ class PhaseTimer:
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[str, object, object]] = []
 
-    def __call__(self, name: str):
-        return _Span(self, name)
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def run(self, name: str, fn) -> None:
+        start = self._now()
+        fn()
+        self.spans.append((name, start, self._now()))
 
     def totals(self) -> dict[str, float]:
-        out: dict[str, float] = {}
         if self.cuda:
             torch.cuda.synchronize()
+        out: dict[str, float] = {}
         for name, a, b in self.spans:
             out[name] = out.get(name, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
         return out
 
 
-class _Span:
-    def __init__(self, timer: PhaseTimer, name: str):
-        self.t, self.name = timer, name
-
-    def _now(self):
-        if self.t.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def __enter__(self):
-        self.start = self._now()
-
-    def __exit__(self, *exc):
-        self.t.spans.append((self.name, self.start, self._now()))
-
-
 class Executor:
     def __init__(self, target: Transformer, draft=None, vocab=None, tree: TreeConfig = TreeConfig(),
-                 k_pre: int = 3, k_ver: int = 3):
+                 k_pre: int = 3, k_ver: int = 3, cuda_graphs: bool | None = None):
         self.target, self.draft, self.vocab, self.tree = target, draft, vocab, tree
         self.k_pre, self.k_ver = k_pre, k_ver
-        self.device = target.cache.k.device
+        dev = self.device = target.cache.k.device
         self.stop_ids = set(target.cfg.eos_ids)
-        # cache slots a step may write past the committed length
+        # cache slots a round may write past the committed length (tree, compacted path, draft expansions)
         self.reserve = max(tree.total_tokens, tree.max_path + tree.draft_slots) if draft else 1
+        use_graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = GraphRunner() if use_graphs else None
+        # persistent device state, updated in place by the phases
+        self.n = torch.zeros((), dtype=torch.long, device=dev)
+        self.root = torch.zeros(1, dtype=torch.long, device=dev)
+        self.h_last = torch.zeros(target.cfg.hidden_size, dtype=target.cache.k.dtype, device=dev)
+        self.counters = torch.zeros(3, dtype=torch.long, device=dev)  # vocab size sum, vocab size max, covered
+        self.steps = torch.arange(tree.max_path, device=dev)
+        # what the host reads after a round: [k, emitted...]; persistent, since the round's other tensors
+        # belong to whichever bucket's graphs ran
+        self.out = torch.zeros(tree.max_path + 1, dtype=torch.long, device=dev)
 
     @property
     def max_prompt(self) -> int:
@@ -84,6 +91,7 @@ class Executor:
         self.check(prompt_ids, max_new_tokens)
         stats, timer = Stats(prompt_tokens=len(prompt_ids)), PhaseTimer(self.device)
         t0 = time.perf_counter()
+        self.counters.zero_()
         steps = self._speculative(prompt_ids, stats, timer) if self.draft else self._autoregressive(prompt_ids, timer)
         for toks in steps:
             room = max_new_tokens - stats.new_tokens
@@ -98,66 +106,106 @@ class Executor:
             stats.stop_reason = "length"
         for name, s in timer.totals().items():
             setattr(stats, f"{name}_s", s)
-        stats.gather_device_counters()
+        stats.vocab_sum, stats.vocab_max, stats.covered = self.counters.tolist()
         stats.wall_s = time.perf_counter() - t0
         return stats
+
+    def _phase(self, timer: PhaseTimer, name: str, S: int, fn) -> None:
+        timer.run(name, (lambda: self.graphs(name, S, fn)) if self.graphs else fn)
+
+    def _span(self, n: int) -> int:
+        """KV slots the next step attends over: just enough eagerly, a fixed bucket under CUDA graphs."""
+        need = n + self.reserve
+        if not self.graphs:
+            return need
+        S = bucket_for(need, self.target.cfg.max_seq_len)
+        self.graphs.begin_round(S)
+        return S
 
     def _prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(prompt_ids, device=self.device)
         L = ids.numel()
         pos = torch.arange(L, device=self.device)
-        return ids, self.target(ids, pos, pos, causal_mask(0, L, self.device))
+        self.n.fill_(0)
+        h = self.target(ids, pos, pos, attention_mask(self.n, causal(L, self.device), L))
+        self.n.fill_(L)
+        return ids, h
 
     def _autoregressive(self, prompt_ids, timer) -> Generator[list[int], None, None]:
-        t, dev = self.target, self.device
-        with timer("prefill"):
+        t = self.target
+
+        def prefill():
             _, h = self._prefill(prompt_ids)
-            tok = t.logits(h[-1:]).argmax(-1)
+            self.root.copy_(t.logits(h[-1:]).argmax(-1))
+
+        def step(S):
+            h = t(self.root, self.n.view(1), self.n.view(1), attention_mask(self.n, causal(1, self.device), S))
+            self.root.copy_(t.logits(h).argmax(-1))
+            self.n.add_(1)
+
+        timer.run("prefill", prefill)
         n = len(prompt_ids)
-        yield [int(tok)]
+        yield self.root.tolist()
         while n + self.reserve < t.cfg.max_seq_len:
-            with timer("verify"):
-                pos = torch.tensor([n], device=dev)
-                tok = t.logits(t(tok, pos, pos, causal_mask(n, 1, dev))).argmax(-1)
+            S = self._span(n)
+            self._phase(timer, "verify", S, lambda: step(S))
             n += 1
-            yield [int(tok)]
+            yield self.root.tolist()  # the one host read per step
 
     def _speculative(self, prompt_ids, stats: Stats, timer) -> Generator[list[int], None, None]:
         t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.tree, self.device
-        with timer("prefill"):
+        P = cfg.max_path
+
+        def prefill():
             ids, h = self._prefill(prompt_ids)
             first = t.logits(h[-1:])[0]
-            root = first.argmax().view(1)
+            self.root.copy_(first.argmax().view(1))
             topk_pre = torch.cat([t.logits(h[i:i + PREFILL_CHUNK]).topk(self.k_pre, -1).indices.flatten()
                                   for i in range(0, h.shape[0], PREFILL_CHUNK)])
-        with timer("vocab"):
             vocab.start(ids, topk_pre, first.topk(self.k_ver).indices)
-        with timer("draft"):
             L = ids.numel()
             pos = torch.arange(L, device=dev)
-            h_last = d(torch.cat([ids[1:], root]), h, pos, pos, causal_mask(0, L, dev))[-1]
-        n = L
-        yield [int(root)]
-        P = cfg.max_path
+            zero = torch.zeros((), dtype=torch.long, device=dev)
+            dh = d(torch.cat([ids[1:], self.root]), h, pos, pos, attention_mask(zero, causal(L, dev), L))
+            self.h_last.copy_(dh[-1])
+            vocab.join()
+
+        def draft_phase(S):
+            self.tree = draft_tree(d, vocab, self.h_last, self.root, self.n, S, cfg)
+
+        def verify_phase(S):
+            hid, logits = verify(t, self.tree, self.n, S)
+            self.path, self.k, self.emitted = accept(self.tree, logits.argmax(-1), P)
+            self.out.copy_(torch.cat([self.k.view(1), self.emitted]))
+            self.hid_path = hid[self.path]
+            ver = logits[self.path].topk(self.k_ver, -1).indices
+            self.ver = torch.where((self.steps <= self.k)[:, None], ver, -1).flatten()
+            t.cache.move(self.n + self.path, self.n + self.steps)
+
+        def update_phase(S):
+            valid = self.steps <= self.k
+            size = vocab.size()
+            self.counters += torch.stack([size, torch.zeros_like(size), (vocab.contains(self.emitted) & valid).sum()])
+            self.counters[1] = torch.maximum(self.counters[1], size)
+            vocab.update(self.tree.tokens[1:], self.ver)  # the gather runs on the copy stream ...
+            pos = self.n + self.steps
+            h = d(self.emitted, self.hid_path, pos, pos, attention_mask(self.n, causal(P, dev), S))
+            last = self.k.view(1)
+            self.h_last.copy_(h.index_select(0, last)[0])  # ... hidden behind this draft forward
+            self.root.copy_(self.emitted.index_select(0, last))
+            self.n.add_(self.k + 1)
+            vocab.join()
+
+        timer.run("prefill", prefill)
+        n = len(prompt_ids)
+        yield self.root.tolist()
         while n + self.reserve < t.cfg.max_seq_len:
-            with timer("draft"):
-                tree = draft_tree(d, vocab, h_last, root, n, cfg)
-            with timer("verify"):
-                hid, logits = verify(t, tree, n)
-                path, k_dev, emitted = accept(tree, logits.argmax(-1), P)
-                k, *out = torch.cat([k_dev.view(1), emitted]).tolist()  # the one host read per round
-                out = out[: k + 1]
-                stats.covered.append(vocab.contains(emitted[: k + 1]).sum())
-                t.cache.move(n + path, n + torch.arange(P, device=dev))
-            with timer("vocab"):
-                stats.vocab_sizes.append(vocab.size())
-                ver = logits[path].topk(self.k_ver, -1).indices
-                ver = torch.where((torch.arange(P, device=dev) <= k)[:, None], ver, -1).flatten()
-                vocab.update(tree.tokens[1:], ver)
-            with timer("draft"):
-                pos = n + torch.arange(P, device=dev)
-                h_last = d(emitted, hid[path], pos, pos, causal_mask(n, P, dev))[k]
+            S = self._span(n)
+            self._phase(timer, "draft", S, lambda: draft_phase(S))
+            self._phase(timer, "verify", S, lambda: verify_phase(S))
+            self._phase(timer, "update", S, lambda: update_phase(S))
+            k, *out = self.out.tolist()  # the one host read per round
             stats.rounds += 1
-            root = emitted[k].view(1)
+            stats.round_tokens += k + 1
             n += k + 1
-            yield out
+            yield out[: k + 1]

@@ -172,7 +172,7 @@ class KVCache:
 
 def layer_masks(cfg: ModelConfig, mask: torch.Tensor, positions: torch.Tensor, cache: KVCache):
     """The float additive masks for full and (Gemma) sliding layers from the caller's boolean mask."""
-    neg = torch.finfo(torch.float32).min
+    neg = torch.finfo(cache.k.dtype).min
     full = torch.zeros(mask.shape, dtype=cache.k.dtype, device=mask.device).masked_fill(~mask, neg)
     if not cfg.sliding_window:
         return full, full

@@ -41,12 +41,23 @@ class Tree:
     anc: torch.Tensor  # [N, N] bool: anc[i, j] = j is i or an ancestor of i
 
 
-def causal_mask(n: int, t: int, device) -> torch.Tensor:
-    """[t, n + t] bool: t new tokens after n committed ones, each sees the past and itself."""
-    return torch.arange(n + t, device=device)[None, :] <= (n + torch.arange(t, device=device))[:, None]
+def attention_mask(n: torch.Tensor, new: torch.Tensor, S: int) -> torch.Tensor:
+    """[t, S] bool mask over the first S cache slots: every row sees the n committed slots, and the slots
+    n .. n+m-1 being written now as `new` [t, m] says. n is a device scalar, so the same code runs eagerly
+    (S just large enough) and inside CUDA graphs (S = a fixed bucket, n changing between replays)."""
+    t, m = new.shape
+    dev = new.device
+    mask = (torch.arange(S, device=dev) < n).expand(t, S).clone()
+    mask[:, n + torch.arange(m, device=dev)] = new
+    return mask
 
 
-def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: int, cfg: TreeConfig) -> Tree:
+def causal(t: int, device) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
+
+def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.Tensor, S: int,
+               cfg: TreeConfig) -> Tree:
     k, dev = cfg.top_k, h_last.device
     logp, ids = vocab.head(h_last[None], k)
     pool_tok, pool_score, pool_parent = [ids[0]], [logp[0]], [torch.full((k,), -1, device=dev)]
@@ -55,12 +66,11 @@ def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: int, c
     anc = torch.zeros(k, cfg.draft_slots, dtype=torch.bool, device=dev)  # ancestry among tree slots
     rows = torch.arange(k, device=dev)
     anc[rows, rows] = True
-    ctx = torch.ones(k, n, dtype=torch.bool, device=dev)
     offset = k
     for i in range(cfg.depth):
         slots = n + i * k + torch.arange(k, device=dev)
-        pos = torch.full((k,), n + i, device=dev)
-        h = draft(cur_tok, cur_feat, pos, slots, torch.cat([ctx, anc[:, : (i + 1) * k]], 1))
+        pos = (n + i).expand(k)
+        h = draft(cur_tok, cur_feat, pos, slots, attention_mask(n, anc[:, : (i + 1) * k], S))
         logp, ids = vocab.head(h, k)  # [k, k]
         score = (cur_score[:, None] + logp).flatten()
         pool_tok.append(ids.flatten())
@@ -97,11 +107,10 @@ def _select(tok, score, parent, root, cfg: TreeConfig) -> Tree:
     return Tree(tokens=tokens, parent=par, depth=anc.sum(1) - 1, anc=anc)
 
 
-def verify(target, tree: Tree, n: int):
+def verify(target, tree: Tree, n: torch.Tensor, S: int):
     """One target pass over the tree. Returns the final hidden states [N, d] and the logits [N, V]."""
     N, dev = tree.tokens.numel(), tree.tokens.device
-    mask = torch.cat([torch.ones(N, n, dtype=torch.bool, device=dev), tree.anc], 1)
-    h = target(tree.tokens, n + tree.depth, n + torch.arange(N, device=dev), mask)
+    h = target(tree.tokens, n + tree.depth, n + torch.arange(N, device=dev), attention_mask(n, tree.anc, S))
     return h, target.logits(h)
 
 
@@ -111,7 +120,9 @@ def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
     ok = tree.tokens == argmax[tree.parent]
     ok[0] = True
     path_ok = ~(tree.anc & ~ok[None, :]).any(1)
-    leaf = torch.where(path_ok, tree.depth, -1).argmax()
-    on_path = tree.anc[leaf][None, :] & (tree.depth[None, :] == torch.arange(max_path, device=ok.device)[:, None])
+    # 0-d device tensors are used through index_select: indexing with them would read them on the host
+    leaf = torch.where(path_ok, tree.depth, -1).argmax().view(1)
+    levels = torch.arange(max_path, device=ok.device)[:, None]
+    on_path = tree.anc.index_select(0, leaf) & (tree.depth[None, :] == levels)
     path = torch.where(on_path.any(1), on_path.float().argmax(1), leaf)
-    return path, tree.depth[leaf], argmax[path]
+    return path, tree.depth.index_select(0, leaf)[0], argmax[path]

@@ -31,6 +31,7 @@ class FullVocab:
     def __init__(self, head: torch.Tensor):
         self.packed = head
         self.id_of = torch.arange(head.shape[0], device=head.device)
+        self._size = torch.tensor(head.shape[0], device=head.device)
 
     def start(self, prompt_ids, prompt_topk, first_topk) -> None:
         pass
@@ -38,11 +39,14 @@ class FullVocab:
     def update(self, tree_ids, ver_ids) -> None:
         pass
 
+    def join(self) -> None:
+        pass
+
     def head(self, hidden: torch.Tensor, k: int):
         return ops.packed_head(hidden, self.packed, self.id_of, k)
 
     def size(self) -> torch.Tensor:
-        return torch.tensor(self.id_of.numel(), device=self.id_of.device)
+        return self._size
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(ids, dtype=torch.bool)
@@ -58,6 +62,7 @@ class StaticVocab(FullVocab):
         self.packed = head.index_select(0, ids)  # gathered once, contiguous
         self.member = torch.zeros(head.shape[0], dtype=torch.bool, device=head.device)
         self.member[ids] = True
+        self._size = torch.tensor(ids.numel(), device=head.device)
 
     def contains(self, ids):
         return self.member[ids]
@@ -87,8 +92,7 @@ class WindowVocab:
         self.packed, self.id_of = self.packed_all[:R], self.id_of_all[:R]
         # the gather of newly active rows runs on its own stream, hidden behind the draft backbone
         self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and packed else None
-        self.gathered = torch.cuda.Event() if self.copy_stream else None
-        self.pending: tuple | None = None
+        self.in_flight: tuple | None = None
 
     def reset(self) -> None:
         P = len(self.pinned)
@@ -114,11 +118,16 @@ class WindowVocab:
         if self.copy_stream is None:
             ops.gather_rows(self.head_w, rows, self.packed_all, slots)
             return
-        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        self.copy_stream.wait_stream(torch.cuda.current_stream())  # the window state is ready
         with torch.cuda.stream(self.copy_stream):
             ops.gather_rows(self.head_w, rows, self.packed_all, slots)
-            self.gathered.record()
-        self.pending = (rows, slots)  # keep the inputs alive until the copy stream is done with them
+        self.in_flight = (rows, slots)  # keep the inputs alive until the copy stream is done with them
+
+    def join(self) -> None:
+        """The compute stream waits for the gather: called after the draft forward it overlaps with."""
+        if self.in_flight is not None:
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
+            self.in_flight = None
 
     def start(self, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor, first_topk: torch.Tensor) -> None:
         self.reset()
@@ -134,9 +143,6 @@ class WindowVocab:
     def head(self, hidden: torch.Tensor, k: int):
         if not self.use_packed:  # naive: an indexed GEMM over scattered rows, every call
             return ops.packed_head(hidden, self.head_w[self.id_of.clamp(min=0)], self.id_of, k)
-        if self.pending is not None:
-            torch.cuda.current_stream().wait_event(self.gathered)
-            self.pending = None
         return ops.packed_head(hidden, self.packed, self.id_of, k)
 
     def size(self) -> torch.Tensor:
