@@ -82,14 +82,17 @@ def _eos_ids(tok, hf: dict) -> list[int]:
 
 def _load_gguf(path: Path):
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise UserError("building from GGUF needs the build extra: pip install 'trtllm_microspec[build]'")
+    try:  # transformers >= 5.24 keeps GGUF weights packed unless asked; older versions always dequantize
+        from transformers import GgufConfig
+        quant = {"quantization_config": GgufConfig(gguf_file=str(path), dequantize=True)}
+    except ImportError:
+        quant = {}
     try:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32,
-            quantization_config=GgufConfig(gguf_file=str(path), dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **quant)
     except (ValueError, KeyError, OSError, RuntimeError) as e:
         raise UserError(f"cannot read GGUF {path}: {str(e).splitlines()[0]}")
     return model.config.to_dict(), model.state_dict(), tok
