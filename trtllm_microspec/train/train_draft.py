@@ -199,8 +199,6 @@ def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_le
         raise UserError(f"need more than {n_held} conversations to hold {n_held} out, got {len(convs)}")
     train_packs = pack(tokenize(tok, convs[:-n_held], max_len), max_len, dev)
     held_packs = pack(tokenize(tok, convs[-n_held:], max_len), max_len, dev)
-    target_features(target, train_packs, "target features (train)")
-    target_features(target, held_packs, "target features (held-out)")
 
     per_step = max(1, batch_tokens // max_len)
     total = steps or math.ceil(epochs * len(train_packs) / per_step)
@@ -223,6 +221,8 @@ def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_le
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start = state["step"]
+    target_features(target, train_packs, "target features (train)")
+    target_features(target, held_packs, "target features (held-out)")
     before = evaluate(draft, target, held_packs)
     bar = tqdm(range(start, total), desc="train draft", unit="step", dynamic_ncols=True, initial=start, total=total)
     for step in bar:
