@@ -12,7 +12,7 @@ from trtllm_microspec.data import sharegpt_conversations
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.train.train_draft import CHECKPOINT, train
 
-KW = dict(max_len=96, steps=4, lr=1e-3, batch_tokens=96, seed=3, device="cpu", save_every=2, heldout=0.25)
+KW = dict(max_len=64, steps=4, lr=1e-3, batch_tokens=64, seed=3, device="cpu", save_every=2, heldout=0.25)
 
 
 @pytest.fixture(scope="module")

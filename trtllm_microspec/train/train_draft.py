@@ -16,7 +16,8 @@ through the head at each step (V floats per token would not fit).
 The last --heldout fraction of the conversations is held out; its loss and top-1 accuracy (draft argmax ==
 target argmax for the next token) are reported before and after training. A checkpoint (fp32 weights +
 optimizer) is written to <out>/checkpoint.pt every --save-every steps; --resume continues from it, and the data
-order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
+order depends only on --seed and the step, so a resumed run follows the uninterrupted one. --time-limit
+cuts training short (the LR schedule stays planned for the full run; rerun with --resume to finish it).
 """
 from __future__ import annotations
 
@@ -65,10 +66,11 @@ def tokenize(tok: Tokenizer, conversations: list[list[dict]], max_len: int) -> l
     after it (the end-of-turn the draft must also predict). apply_chat appends a generation prompt; its tokens
     are outside every assistant span, so they carry no loss."""
     texts = [tok.apply_chat(c) for c in conversations]
+    tok.fast.enable_truncation(max_len)  # this Tokenizer instance is ours; avoids offsets of 20k-token chats
     out = []
     for conv, text, enc in zip(conversations, texts, tok.fast.encode_batch(texts, add_special_tokens=False)):
-        ids = np.asarray(enc.ids[:max_len], dtype=np.int64)
-        starts = np.asarray([s for s, _ in enc.offsets[:max_len]])
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        starts = np.asarray([s for s, _ in enc.offsets])
         assistant = np.zeros(len(ids), dtype=bool)
         cursor = 0
         for m in conv:
@@ -183,7 +185,7 @@ def init_draft(engine_dir: Path, target: Transformer, device, seed: int) -> Eagl
 def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_len: int = 2048,
           steps: int | None = None, epochs: float = 1.0, lr: float = 3e-4, batch_tokens: int = 16384,
           seed: int = 0, device: str | None = None, resume: bool = False, save_every: int = 200,
-          heldout: float = 0.02, data: list[list[dict]] | None = None) -> dict:
+          heldout: float = 0.02, time_limit: float | None = None, data: list[list[dict]] | None = None) -> dict:
     from ..data import sharegpt_conversations
     from ..engine.loader import load_target, pick_device
     from ..llm import resolve_engine
@@ -209,7 +211,7 @@ def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_le
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
     key = {"engine": str(engine_dir.resolve()), "conversations": len(convs), "max_len": max_len, "seed": seed,
            "batch_tokens": batch_tokens, "total_steps": total}
-    start = 0
+    start = done = 0
     if resume:
         ck = out / CHECKPOINT
         if not ck.exists():
@@ -220,7 +222,7 @@ def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_le
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
-        start = state["step"]
+        start = done = state["step"]
     target_features(target, train_packs, "target features (train)")
     target_features(target, held_packs, "target features (held-out)")
     before = evaluate(draft, target, held_packs)
@@ -241,13 +243,17 @@ def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_le
         sched.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(correct) / n:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
-        if (step + 1) % save_every == 0 or step + 1 == total:
+        done = step + 1
+        stop = time_limit is not None and time.perf_counter() - t0 > time_limit  # a budget, not a schedule
+        if done % save_every == 0 or done == total or stop:
             out.mkdir(parents=True, exist_ok=True)
-            torch.save({"key": key, "step": step + 1, "draft": draft.state_dict(), "opt": opt.state_dict(),
+            torch.save({"key": key, "step": done, "draft": draft.state_dict(), "opt": opt.state_dict(),
                         "sched": sched.state_dict()}, out / CHECKPOINT)
+        if stop:
+            break
     after = evaluate(draft, target, held_packs)
     save_draft(draft, out, engine_dir)
-    return {"out": str(out), "steps": total, "train_tokens": int(sum(len(p.tokens) for p in train_packs)),
+    return {"out": str(out), "steps": done, "planned_steps": total, "train_tokens": int(sum(len(p.tokens) for p in train_packs)),
             "heldout_loss_start": before["loss"], "heldout_acc_start": before["acc"],
             "heldout_loss": after["loss"], "heldout_acc": after["acc"], "heldout_positions": after["positions"],
             "wall_s": time.perf_counter() - t0}
@@ -256,7 +262,7 @@ def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_le
 def cmd_train_draft(a) -> None:
     r = train(a.engine, a.out, conversations=a.conversations, max_len=a.max_len, steps=a.steps, epochs=a.epochs,
               lr=a.lr, batch_tokens=a.batch_tokens, seed=a.seed, device=a.device, resume=a.resume,
-              save_every=a.save_every, heldout=a.heldout)
+              save_every=a.save_every, heldout=a.heldout, time_limit=a.time_limit)
     print(json.dumps(r))
 
 
@@ -275,4 +281,6 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--heldout", type=float, default=0.02, help="fraction of the conversations held out")
+    p.add_argument("--time-limit", type=float, help="stop training (checkpoint, evaluate, save) after this many "
+                                                    "seconds of wall time since the start")
     p.set_defaults(func=cmd_train_draft)
