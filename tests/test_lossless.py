@@ -1,0 +1,124 @@
+"""Greedy speculative decoding is lossless: every method emits exactly `LLM(engine, "ar")`'s tokens.
+
+Two drafts: the random EAGLE head (the real draft code path; it almost never gets a token accepted) and the
+target itself behind its own KV cache, fed token t+1 at position t like an EAGLE head. The latter predicts the
+target well, so rounds accept several tokens and the multi-token paths (KV compaction, window appends of
+long accepted paths, eviction within one append under a small W_max) are exercised too."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from trtllm_microspec import LLM
+from trtllm_microspec.llm import FREQ_FILE
+from trtllm_microspec.models.model import KVCache
+from trtllm_microspec.models.tokenizer import Tokenizer
+
+METHODS = ["eagle", "frspec", "microspec", "ctx-only", "ext-only", "naive"]
+WINDOW_METHODS = {"microspec", "ctx-only", "ext-only", "naive"}
+# (prompt, chat, max_new_tokens); the first stops at EOS after 8 tokens
+CASES = [
+    ("What is the capital of France?", True, 32),
+    ("def fibonacci(n):", False, 32),
+    ("Hi", True, 1),
+]
+SMALL = dict(depth=2, top_k=4, total_tokens=10, w_max=16, k_pre=2, k_ver=2, static_k=300)  # W_max < one append
+STATS_KEYS = {"method", "prompt_tokens", "new_tokens", "rounds", "acceptance_length", "vocab_mean", "vocab_max",
+              "coverage", "wall_s", "tokens_per_s", "stop_reason", "prefill_s", "draft_s", "verify_s", "update_s"}
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir, tmp_path_factory):
+    """A copy of the shared engine (files linked) with a synthetic FR-Spec ranking: the ids of some chat-like
+    text first, then the rest of the vocabulary in id order."""
+    out = tmp_path_factory.mktemp("engine")
+    for f in engine_dir.iterdir():
+        if f.is_file():
+            (out / f.name).symlink_to(f)
+    tok = Tokenizer(engine_dir)
+    text = " ".join(p for p, _, _ in CASES) + " The capital is Paris. The sea is blue and wide. return n if n < 2"
+    seen = list(dict.fromkeys(tok.encode(text)))
+    V = tok.fast.get_vocab_size()
+    ranked = seen + [i for i in range(V) if i not in set(seen)]
+    save_file({"ranked_ids": torch.tensor(ranked)}, out / FREQ_FILE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ar(engine):
+    llm = LLM(engine, "ar", device="cpu")
+    out = {c: llm.generate(c[0], c[2], chat=c[1]) for c in CASES}
+    eos = llm.target.cfg.eos_ids
+    r = out[CASES[0]]  # the early-EOS case really stops at EOS, and EOS is its last token
+    assert r.stats["stop_reason"] == "eos" and r.token_ids[-1] in eos and len(r.token_ids) < CASES[0][2]
+    assert all(t not in eos for t in r.token_ids[:-1])
+    r = out[CASES[1]]
+    assert r.stats["stop_reason"] == "max_tokens" and len(r.token_ids) == CASES[1][2]
+    assert out[CASES[-1]].num_new_tokens == 1
+    return out
+
+
+class SelfDraft:
+    """The target (same weights, its own KV cache) in the draft's seat."""
+
+    def __init__(self, target):
+        self.model = copy.copy(target)  # shares the modules; the cache attribute below is its own
+        self.model.cache = KVCache(target.cfg, target.cfg.num_layers, target.cache.k.dtype, target.cache.k.device)
+
+    def __call__(self, tokens, features, positions, slots, mask):
+        return self.model(tokens, positions, slots, mask)
+
+
+def check(llm, method, knobs, case, got, want):
+    assert got.token_ids == want.token_ids, f"{method} {knobs} differs from AR on {case}"
+    assert got.text == want.text
+    s = got.stats
+    assert STATS_KEYS <= s.keys()
+    assert s["method"] == method and s["new_tokens"] == len(got.token_ids)
+    assert s["stop_reason"] == want.stats["stop_reason"]
+    if len(got.token_ids) == 1:
+        assert s["rounds"] == 0
+        return
+    assert s["rounds"] > 0 and s["acceptance_length"] >= 1
+    assert 0 <= s["coverage"] <= 1
+    assert s["vocab_max"] >= s["vocab_mean"] > 0
+    pinned = len(llm.target.cfg.eos_ids)
+    if method in WINDOW_METHODS:
+        assert s["vocab_max"] <= knobs.get("w_max", 3072) + pinned
+    elif method == "frspec":
+        assert s["vocab_max"] <= knobs.get("static_k", 32768) + pinned
+    else:
+        assert s["vocab_max"] == llm.target.cfg.vocab_size and s["coverage"] == 1
+
+
+def generate_all(llm, method, knobs, ar, cases=CASES) -> list[float]:
+    """Every case equals AR; returns each case's acceptance length."""
+    out = []
+    for case in cases:
+        r = llm.generate(case[0], case[2], chat=case[1])
+        check(llm, method, knobs, case, r, ar[case])
+        out.append(r.stats["acceptance_length"])
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_lossless_small_tree(method, engine, random_draft_dir, ar):
+    """Depth 2, top_k 4, 10 tree tokens, W_max 16: with the random head, then with the self-draft (several
+    tokens accepted per round, so one append can exceed the window)."""
+    llm = LLM(engine, method, draft=random_draft_dir, device="cpu", **SMALL)
+    generate_all(llm, method, SMALL, ar)
+    llm.executor.draft = SelfDraft(llm.target)
+    accepted = generate_all(llm, method, SMALL, ar, CASES[:2])
+    assert max(accepted) > 1.3, accepted  # multi-token paths were accepted, so those were checked
+
+
+@pytest.mark.parametrize("method", ["eagle", "microspec"])
+def test_lossless_default_tree(method, engine, random_draft_dir, ar):
+    """The default knobs (depth 5, top_k 10, 60 tree tokens, W_max 3072) with the self-draft."""
+    llm = LLM(engine, method, draft=random_draft_dir, device="cpu")
+    llm.executor.draft = SelfDraft(llm.target)
+    accepted = generate_all(llm, method, {}, ar, CASES[:2])
+    assert max(accepted) > 2, accepted
