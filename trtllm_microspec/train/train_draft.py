@@ -178,6 +178,8 @@ def init_draft(engine_dir: Path, target: Transformer, device, seed: int) -> Eagl
     for m in draft.modules():  # the Hugging Face init EAGLE's heads start from
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                torch.nn.init.zeros_(m.bias)
     draft.setup(target, torch.float32, device)  # fp32 master weights; bf16 compute under autocast on CUDA
     return draft.requires_grad_(True).train()
 
