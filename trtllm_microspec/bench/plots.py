@@ -18,7 +18,7 @@ def plot_all(res: dict, out: Path) -> list[str]:
         fig6(micro, out / "fig6_wmax.png")
     else:
         notes.append("no fig6_wmax.png: no microspec run")
-    if "static_coverage" in res or micro:
+    if res.get("static_coverage") or micro:
         fig1b(res, micro, out / "fig1b_coverage.png")
     else:
         notes.append("no fig1b_coverage.png: neither static coverage nor a microspec run")
@@ -48,7 +48,7 @@ def fig1b(res: dict, micro: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = dict(zip(res["categories"] + ["overall"], plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
-    static = res.get("static_coverage", {})
+    static = res.get("static_coverage") or {}
     for cat, color in colors.items():
         if static.get(cat):
             ax.plot(static["k"], static[cat], "--", color=color, label=f"static {cat}")

@@ -102,13 +102,14 @@ class HFReference:
 
 
 def build_runs(a) -> list[dict]:
-    """One entry per model configuration to measure; AR first, as every other run is compared with it.
-    A sweep point equal to the main run's setting is not run twice."""
-    runs = [{"label": m, "method": m} for m in dict.fromkeys(["ar", *a.methods])]
+    """One entry per model configuration to measure: AR first, as every other run is compared with it, the outside
+    reference (hf) last. A sweep point equal to the main run's setting is not run twice."""
+    runs = [{"label": m, "method": m} for m in dict.fromkeys(["ar", *a.methods]) if m != HF]
     runs += [{"label": f"frspec@K={k}", "method": "frspec", "static_k": k}
              for k in a.frspec_k if not (k == a.static_k and "frspec" in a.methods)]
     runs += [{"label": f"microspec@W={w}", "method": "microspec", "w_max": w}
              for w in a.w_max_sweep if not (w == a.w_max and "microspec" in a.methods)]
+    runs += [{"label": HF, "method": HF}] if HF in a.methods else []
     for r in runs:
         r.setdefault("static_k", a.static_k)
         r.setdefault("w_max", a.w_max)
@@ -231,7 +232,7 @@ def markdown(res: dict) -> str:
                       f"| {knob} | " + " | ".join(t for _, t, _ in METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
             lines += [f"| {r[knob]} | " + " | ".join(_fmt(r["summary"]["overall"][k], s) for k, _, s in METRICS) + " |"
                       for r in sweep]
-    lines += [f"", *[f"- {n}" for n in res["notes"]]]
+    lines += ["", *[f"- {n}" for n in res["notes"]]]
     return "\n".join(lines) + "\n"
 
 
@@ -249,48 +250,58 @@ def cmd_bench(a) -> None:
     questions = load_questions(data_dir(a.data), a.categories, a.limit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    notes, runs, ar_ids, engine_dir = [], {}, None, None
+    res = {"config": {k: v for k, v in vars(a).items() if k != "func"}, "categories": a.categories,
+           "runs": {}, "notes": []}
+    ar_ids: dict = {}
     for run in build_runs(a):
         label = run.pop("label")
         if run["method"] == HF and importlib.util.find_spec("transformers") is None:
-            notes.append("hf skipped: transformers is not installed")
-            print(f"[bench] {notes[-1]}", file=sys.stderr)
+            res["notes"].append("hf skipped: transformers is not installed")
+            print(f"[bench] {res['notes'][-1]}", file=sys.stderr)
             continue
         model = make_model(a, run)
         t0 = time.perf_counter()
         records, ids = run_questions(model, questions, a)
-        if ar_ids is None:
-            ar_ids, engine_dir, device = ids, model.engine_dir, str(model.device)
+        if run["method"] == "ar":
+            ar_ids = ids
+            res["device"] = str(model.device)
+            res["static_coverage"] = static_coverage_of(model.engine_dir, ar_ids, questions, res["notes"])
         del model
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         summary = {c: summarize([r for r in records if r["category"] == c]) for c in a.categories}
         summary["overall"] = summarize(records)
+        for c, s in summary.items():
+            s["speedup"] = s["speed"] / (res["runs"]["ar"]["summary"][c]["speed"] if res["runs"] else s["speed"])
         mism = compare(ids, ar_ids)
-        runs[label] = {**run, "lossless": not mism, "mismatches": mism, "summary": summary, "turns": records}
+        res["runs"][label] = {**run, "lossless": not mism, "mismatches": mism, "summary": summary, "turns": records}
         s = summary["overall"]
         print(f"[bench] {label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
               f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    for run in runs.values():
-        for c, s in run["summary"].items():
-            s["speedup"] = s["speed"] / runs["ar"]["summary"][c]["speed"]
-    res = {"config": {k: v for k, v in vars(a).items() if k != "func"}, "device": device,
-           "categories": a.categories, "runs": runs, "notes": notes}
-    from ..llm import FREQ_FILE
-    if (engine_dir / FREQ_FILE).exists():
-        from safetensors.torch import load_file
-
-        from ..engine.loader import read_config
-        res["static_coverage"] = static_coverage(ar_ids, questions, load_file(engine_dir / FREQ_FILE)["ranked_ids"],
-                                                 read_config(engine_dir).vocab_size)
-    else:
-        notes.append(f"no {FREQ_FILE} in the engine: no static coverage curve")
-    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    from .plots import plot_all
-    notes += plot_all(res, out)
-    (out / "results.md").write_text(markdown(res))
+        write(res, out)  # after every run, so that an interrupted benchmark still leaves what it measured
     print(out / "results.md")
+
+
+def static_coverage_of(engine_dir: Path, ar_ids: dict, questions: list[dict], notes: list[str]) -> dict | None:
+    from ..llm import FREQ_FILE
+
+    if not (engine_dir / FREQ_FILE).exists():
+        notes.append(f"no {FREQ_FILE} in the engine: no static coverage curve")
+        return None
+    from safetensors.torch import load_file
+
+    from ..engine.loader import read_config
+    return static_coverage(ar_ids, questions, load_file(engine_dir / FREQ_FILE)["ranked_ids"],
+                           read_config(engine_dir).vocab_size)
+
+
+def write(res: dict, out: Path) -> None:
+    from .plots import plot_all
+
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    notes = plot_all(res, out)
+    (out / "results.md").write_text(markdown({**res, "notes": res["notes"] + notes}))
 
 
 def _ints(s: str) -> list[int]:
