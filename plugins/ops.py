@@ -65,8 +65,8 @@ def window_update(ring: torch.Tensor, head: torch.Tensor, count: torch.Tensor, s
     ring.index_copy_(0, pos, torch.where(keep, new_ids, -1))
     added = torch.where(keep, new_ids, -1)
     count.index_add_(0, torch.where(added >= 0, added, V), torch.ones_like(added, dtype=count.dtype))
-    count[V] = 0
-    ring[W] = -1
+    count[V:].fill_(0)  # fill_ on slices, not scalar setitem: graph-capturable
+    ring[W:].fill_(-1)
     head.add_(m)
 
     touched = torch.cat([evicted, added])
@@ -82,14 +82,14 @@ def window_update(ring: torch.Tensor, head: torch.Tensor, count: torch.Tensor, s
     free_rank = torch.cumsum(free.long(), 0) - 1
     slot_by_rank = torch.full((R + 1,), R, dtype=torch.long, device=ring.device)
     slot_by_rank.index_copy_(0, torch.where(free, free_rank, R), torch.arange(R, device=ring.device))
-    slot_by_rank[R] = R
+    slot_by_rank[R:].fill_(R)
     new_rank = torch.cumsum(is_new.long(), 0) - 1
     slots = torch.where(is_new, slot_by_rank[new_rank.clamp(0, R)], R)
     ids = torch.where(is_new, fresh, V)
     slot_of.index_copy_(0, ids, slots)
     id_of.index_copy_(0, slots, ids)
-    slot_of[V] = -1
-    id_of[R] = -1
+    slot_of[V:].fill_(-1)
+    id_of[R:].fill_(-1)
     return torch.where(is_new, fresh, 0), slots
 
 

@@ -35,6 +35,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--total-tokens", type=int, default=60)
     p.add_argument("--max-seq-len", type=int, help="cap the KV cache length (default: the engine's)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, ablation)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
 
 
 def llm_from_args(a: argparse.Namespace, method: str | None = None):
@@ -42,7 +45,7 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
 
     return LLM(a.engine, method=method or a.method, draft=a.draft, device=a.device, w_max=a.w_max,
                k_pre=a.k_pre, k_ver=a.k_ver, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
-               total_tokens=a.total_tokens, max_seq_len=a.max_seq_len)
+               total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype)
 
 
 def cmd_models(a) -> None:

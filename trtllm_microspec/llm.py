@@ -55,12 +55,12 @@ class LLM:
     def __init__(self, engine: str | Path, method: str = "ar", draft: str | Path | None = None,
                  device: str | None = None, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3,
                  static_k: int = 32768, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, cuda_graphs: bool = True, dtype: str | None = None):
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
         self.method = method
-        self.device, dtype = pick_device(device)
+        self.device, dtype = pick_device(device, dtype)
         self.target, self.tokenizer = load_target(self.engine_dir, self.device, dtype, max_seq_len)
         draft_model = vocab = None
         if method != "ar":
@@ -72,7 +72,8 @@ class LLM:
             vocab = make_vocab(method, self.target.head_weight, self.target.cfg.eos_ids, w_max=w_max,
                                ranked_ids=self._ranked_ids() if method == "frspec" else None, static_k=static_k)
         tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
-        self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver)
+        self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,
+                                 cuda_graphs=cuda_graphs and self.device.type == "cuda")
         self._lock = threading.Lock()  # one request at a time: the KV caches and the window are static
 
     def _ranked_ids(self) -> torch.Tensor | None:

@@ -53,15 +53,14 @@ class PhaseTimer:
 
 class Executor:
     def __init__(self, target: Transformer, draft=None, vocab=None, tree: TreeConfig = TreeConfig(),
-                 k_pre: int = 3, k_ver: int = 3, cuda_graphs: bool | None = None):
+                 k_pre: int = 3, k_ver: int = 3, cuda_graphs: bool = False):
         self.target, self.draft, self.vocab, self.tree = target, draft, vocab, tree
         self.k_pre, self.k_ver = k_pre, k_ver
         dev = self.device = target.cache.k.device
         self.stop_ids = set(target.cfg.eos_ids)
         # cache slots a round may write past the committed length (tree, compacted path, draft expansions)
         self.reserve = max(tree.total_tokens, tree.max_path + tree.draft_slots) if draft else 1
-        use_graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.graphs = GraphRunner() if use_graphs else None
+        self.graphs = GraphRunner() if cuda_graphs else None
         # persistent device state, updated in place by the phases
         self.n = torch.zeros((), dtype=torch.long, device=dev)
         self.root = torch.zeros(1, dtype=torch.long, device=dev)
@@ -171,11 +170,11 @@ class Executor:
             vocab.join()
 
         def draft_phase(S):
-            self.tree = draft_tree(d, vocab, self.h_last, self.root, self.n, S, cfg)
+            self.drafted = draft_tree(d, vocab, self.h_last, self.root, self.n, S, cfg)
 
         def verify_phase(S):
-            hid, logits = verify(t, self.tree, self.n, S)
-            self.path, self.k, self.emitted = accept(self.tree, logits.argmax(-1), P)
+            hid, logits = verify(t, self.drafted, self.n, S)
+            self.path, self.k, self.emitted = accept(self.drafted, logits.argmax(-1), P)
             self.out.copy_(torch.cat([self.k.view(1), self.emitted]))
             self.hid_path = hid[self.path]
             ver = logits[self.path].topk(self.k_ver, -1).indices
@@ -187,7 +186,7 @@ class Executor:
             size = vocab.size()
             self.counters += torch.stack([size, torch.zeros_like(size), (vocab.contains(self.emitted) & valid).sum()])
             self.counters[1] = torch.maximum(self.counters[1], size)
-            vocab.update(self.tree.tokens[1:], self.ver)  # the gather runs on the copy stream ...
+            vocab.update(self.drafted.tokens[1:], self.ver)  # the gather runs on the copy stream ...
             pos = self.n + self.steps
             h = d(self.emitted, self.hid_path, pos, pos, attention_mask(self.n, causal(P, dev), S))
             last = self.k.view(1)

@@ -11,12 +11,14 @@ from ..models.registry import UserError
 from ..models.tokenizer import Tokenizer
 
 
-def pick_device(device: str | None) -> tuple[torch.device, torch.dtype]:
-    """CUDA in bf16 when available (or asked for), else CPU in fp32."""
+def pick_device(device: str | None, dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """CUDA (bf16 unless asked otherwise) when available or asked for, else CPU in fp32."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but no CUDA device is available")
-    return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if dtype not in (None, "bfloat16", "float16", "float32"):
+        raise UserError(f"unknown dtype {dtype!r}; choose bfloat16, float16 or float32")
+    return dev, getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
 
 
 def read_config(engine_dir: str | Path, kind: str = "engine") -> ModelConfig:

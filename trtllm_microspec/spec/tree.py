@@ -63,9 +63,11 @@ def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.
     pool_tok, pool_score, pool_parent = [ids[0]], [logp[0]], [torch.full((k,), -1, device=dev)]
     cur_tok, cur_score, cur_idx = ids[0], logp[0], torch.arange(k, device=dev)
     cur_feat = h_last[None].expand(k, -1)
-    anc = torch.zeros(k, cfg.draft_slots, dtype=torch.bool, device=dev)  # ancestry among tree slots
-    rows = torch.arange(k, device=dev)
-    anc[rows, rows] = True
+    # ancestry among the tree's draft-cache slots. Writes below are slice ops with device tensors: assigning a
+    # Python scalar through an index would copy it from the host, which a CUDA graph capture refuses
+    eye = torch.eye(k, dtype=torch.bool, device=dev)
+    anc = torch.zeros(k, cfg.draft_slots, dtype=torch.bool, device=dev)
+    anc[:, :k] = eye
     offset = k
     for i in range(cfg.depth):
         slots = n + i * k + torch.arange(k, device=dev)
@@ -83,7 +85,7 @@ def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.
         cur_tok, cur_score, cur_idx = ids.flatten()[best], score[best], offset + best
         cur_feat = h[parent_row]
         anc = anc[parent_row]
-        anc[rows, (i + 1) * k + rows] = True
+        anc[:, (i + 1) * k:(i + 2) * k] |= eye
         offset += k * k
     return _select(torch.cat(pool_tok), torch.cat(pool_score), torch.cat(pool_parent), root, cfg)
 
@@ -117,8 +119,7 @@ def verify(target, tree: Tree, n: torch.Tensor, S: int):
 def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
     """Greedy acceptance. Returns path [max_path] (tree indices by depth, padded with the leaf), the number of
     accepted draft tokens k (0-d tensor), and emitted [max_path] (valid up to index k)."""
-    ok = tree.tokens == argmax[tree.parent]
-    ok[0] = True
+    ok = (tree.tokens == argmax[tree.parent]) | (tree.depth == 0)  # the root is always on the path
     path_ok = ~(tree.anc & ~ok[None, :]).any(1)
     # 0-d device tensors are used through index_select: indexing with them would read them on the host
     leaf = torch.where(path_ok, tree.depth, -1).argmax().view(1)
