@@ -4,7 +4,8 @@
 #   setup     carried wheels (.xfer/wheels, .whl*) -> /tmp/site; data -> /root/stash
 #   engines   /root/stash/KEY.gguf -> /root/engines/KEY for every stashed model; FR-Spec frequencies
 #   plugins   build the CUDA extension, then the CUDA-vs-reference agreement check
-#   lossless  every method vs AR on Spec-Bench prompts with smollm2-135m (bf16, CUDA graphs)
+#   lossless  every method vs AR on Spec-Bench prompts, smollm2-135m, random head, bf16 and fp32 (CUDA graphs)
+#   train-smollm2 / bench-smollm2   train the default head, then Spec-Bench with it
 #   kernels   microspec bench-kernels
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
@@ -41,14 +42,24 @@ from pathlib import Path
 from trtllm_microspec.models.model import ModelConfig
 from trtllm_microspec.spec.eagle import EagleDraft, draft_config, save_draft
 eng = Path("/root/engines/smollm2-135m")
-if not (eng / "eagle").exists():  # a random head: losslessness must hold for any draft
-    torch.manual_seed(0)
-    save_draft(EagleDraft(draft_config(ModelConfig.load(eng / "config.json")), bias=False), Path("/root/random_draft"), eng)
+torch.manual_seed(0)  # a random head: losslessness must hold for any draft
+save_draft(EagleDraft(draft_config(ModelConfig.load(eng / "config.json")), bias=False), Path("/root/random_draft"), eng)
 EOF
-      draft=/root/engines/smollm2-135m/eagle; [ -d $draft ] || draft=/root/random_draft
-      ms bench --engine /root/engines/smollm2-135m --draft $draft --device cuda \
-        --methods ar,eagle,frspec,microspec,ctx-only,ext-only,naive --limit 2 --max-new-tokens 128 --warmup 1 \
-        --out $OUT/lossless_smollm2 ;;
+      for dt in bfloat16 float32; do  # bf16 as served; fp32 to separate numerics from logic
+        ms bench --engine /root/engines/smollm2-135m --draft /root/random_draft --device cuda --dtype $dt \
+          --methods ar,eagle,frspec,microspec,ctx-only,ext-only,naive --limit 2 --max-new-tokens 64 --warmup 1 \
+          --out /root/lossless_$dt 2>&1 | grep "\[bench\]\|rror"
+        mkdir -p $OUT/lossless_$dt; cp /root/lossless_$dt/results.{md,json} $OUT/lossless_$dt/
+      done ;;
+    train-smollm2)
+      ms train-draft --engine /root/engines/smollm2-135m --out /root/heads/smollm2 --conversations 8000 \
+        --epochs 2 --time-limit 150 --device cuda 2>&1 | tr '\r' '\n' | grep -v "step/s" | tail -15 | tee $OUT/train_smollm2.log
+      mkdir -p $OUT/head; cp /root/heads/smollm2/{config.json,model.safetensors} $OUT/head/ ;;
+    bench-smollm2)
+      ms bench --engine /root/engines/smollm2-135m --draft /root/heads/smollm2 --device cuda \
+        --methods ar,eagle,frspec,microspec,ctx-only,ext-only,naive --w-max-sweep 1024,2048,4096 \
+        --limit 1 --max-new-tokens 256 --warmup 1 --out /root/bench_smollm2 2>&1 | grep "\[bench\]\|rror"
+      mkdir -p $OUT/bench_smollm2; cp /root/bench_smollm2/*.{md,json,png} $OUT/bench_smollm2/ ;;
     kernels)
       ms bench-kernels --out $OUT/bench_kernels.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;
