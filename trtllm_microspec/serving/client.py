@@ -103,6 +103,8 @@ def stream(url: str, prompt: str | bytes, max_tokens: int = 256, stream: bool = 
             pieces.append(piece)
             yield piece
         stats.update({k: out[k][0].item() for k in STAT_OUTPUTS if k in out})
+    if not stats:  # the model's last response always has them: an empty final one means the request was cut off
+        raise RequestError("the stream ended before the request completed")
     return Completion("".join(pieces), stats, ttft, time.perf_counter() - t0, pieces)
 
 

@@ -26,6 +26,7 @@ from ..models.registry import UserError
 
 MODEL_NAME = "microspec"
 SERVE_INSTALL = "pip install 'tritonclient[grpc]' && pip install --no-deps nvidia-pytriton==0.7.0"
+STOP_FILE_ENV = "MICROSPEC_STOP_FILE"  # the model ends its requests once this file exists (see triton_model)
 STUB_SITE = Path(sys.prefix) / "triton-stub-site"  # default home of the stub's numpy<2
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding trtllm_microspec, for the stub's sys.path
 
@@ -118,6 +119,7 @@ class TritonServer:
         self.workdir = Path(tempfile.mkdtemp(prefix="microspec-serve-"))
         self.log_file = Path(log_file) if log_file else self.workdir / "tritonserver.log"
         self.shm_prefix = f"microspec_{os.getpid()}_{grpc_port}_"
+        self.stop_file = self.workdir / "stopping"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -138,6 +140,7 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = extend("LD_LIBRARY_PATH", sysconfig.get_config_var("LIBDIR"),
                                         pt.parent / "nvidia_pytriton.libs")
         env["PATH"] = extend("PATH", Path(sys.executable).parent)
+        env[STOP_FILE_ENV] = str(self.stop_file)
         env["PYTHONPATH"] = extend("PYTHONPATH", *filter(None, [self.stub_site]), PACKAGE_ROOT)
         cmd = [str(server / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                f"--backend-directory={self.workdir / 'backends'}",
@@ -182,11 +185,13 @@ class TritonServer:
         return " | ".join(errors[-3:]) or f"see {self.log_file}"
 
     def stop(self) -> int | None:
-        """Graceful stop (in-flight requests get exit_timeout seconds), then kill whatever is left."""
+        """Graceful stop: in-flight and queued requests end with an error, the model unloads and the server exits;
+        whatever is left after exit_timeout (+ a grace period) is killed."""
         try:
             if self.proc is not None and self.proc.poll() is None:
+                self.stop_file.touch()
                 self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(self.exit_timeout + 30)
+                self.proc.wait(self.exit_timeout + 10)
         except subprocess.TimeoutExpired:
             pass
         finally:  # also after a second Ctrl-C: then this is the forced stop

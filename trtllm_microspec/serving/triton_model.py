@@ -9,6 +9,7 @@ response with the whole text and the statistics.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..llm import LLM
 from ..models.registry import UserError
+from .server import STOP_FILE_ENV
 
 
 @dataclass
@@ -82,6 +84,9 @@ class TritonPythonModel:
         self.llm = LLM(p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
                        device=device, **ints)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=int(p.get("max_queue_size", 64)))
+        # Triton calls finalize only once no request is in flight, so `microspec serve` announces a shutdown with
+        # this file: running and queued requests then end at once with an error instead of holding the server up
+        self.stop_file = os.environ.get(STOP_FILE_ENV)
         self.stopping = False
         self.worker = threading.Thread(target=self._work, name="microspec-worker", daemon=True)
         self.worker.start()
@@ -91,7 +96,7 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 job = self._parse(request, sender)
-                if self.stopping:
+                if self._stopping():
                     raise Shutdown()
                 self.jobs.put_nowait(job)
             except UserError as e:
@@ -114,6 +119,9 @@ class TritonPythonModel:
                 _send(job.sender, _error("the server is shutting down", "UNAVAILABLE"), final=True)
         self.jobs.put(None)
         self.worker.join(timeout=30)
+
+    def _stopping(self) -> bool:
+        return self.stopping or bool(self.stop_file and os.path.exists(self.stop_file))
 
     def _parse(self, request, sender) -> Job:
         # Triton itself rejects a missing text_input or max_tokens and wrong dtypes or shapes (config.pbtxt)
@@ -151,7 +159,7 @@ class TritonPythonModel:
         text, ids = "", []  # what was generated so far (text: cut at a stop word or end_id)
         try:
             while True:
-                if self.stopping:
+                if self._stopping():
                     raise Shutdown()
                 if job.sender.is_cancelled():
                     return  # the client cancelled or went away: `finally` frees the model for the next one

@@ -1,0 +1,234 @@
+"""The real tritonserver (nvidia-pytriton wheel) serving MicroSpec on the CPU: outputs equal the offline executor's,
+streaming and not, under concurrency; bad requests get clear errors; cancellation and shutdown never wedge it."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trtllm_microspec.models.registry import UserError
+
+try:
+    from trtllm_microspec.serving.server import pytriton_dir, stub_site
+
+    pytriton_dir()
+    stub_site(None)
+except UserError as e:
+    pytest.skip(f"serve extra not installed: {e}", allow_module_level=True)
+
+import numpy as np  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+
+from trtllm_microspec.cli import build_parser  # noqa: E402
+from trtllm_microspec.llm import LLM  # noqa: E402
+from trtllm_microspec.serving import client  # noqa: E402
+from trtllm_microspec.serving.server import (MODEL_PY, TritonServer, model_config, model_params,  # noqa: E402
+                                             write_repository)
+
+REPO = Path(__file__).resolve().parents[1] / "triton_repo"
+MAX_SEQ_LEN = 256  # small, so that a prompt over the limit is cheap
+SMALL_TREE = ["--depth", "3", "--top-k", "8", "--total-tokens", "16"]  # any tree is lossless; this one is fast
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
+MAX_TOKENS = 16
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def serve_args(engine_dir, draft_dir, *extra) -> list[str]:
+    return ["serve", "--engine", str(engine_dir), "--draft", str(draft_dir), "--device", "cpu",
+            "--max-seq-len", str(MAX_SEQ_LEN), *SMALL_TREE, *extra]
+
+
+@pytest.fixture(scope="module")
+def args(engine_dir, random_draft_dir):
+    return build_parser().parse_args(serve_args(engine_dir, random_draft_dir))
+
+
+@pytest.fixture(scope="module")
+def server(args, tmp_path_factory):
+    repo = write_repository(tmp_path_factory.mktemp("repo"), model_params(args))
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as s:
+        s.wait_ready(timeout=600)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(args):
+    llm = LLM(args.engine, method=args.method, draft=args.draft, device="cpu", max_seq_len=MAX_SEQ_LEN,
+              depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
+    cache = {}
+
+    def reference(prompt: str, max_tokens: int = MAX_TOKENS):
+        if (prompt, max_tokens) not in cache:
+            cache[prompt, max_tokens] = llm.generate(prompt, max_tokens)
+        return cache[prompt, max_tokens]
+
+    reference.llm = llm
+    return reference
+
+
+def test_committed_repository_is_serve_defaults():
+    defaults = build_parser().parse_args(["serve"])
+    assert (REPO / "microspec" / "config.pbtxt").read_text() == model_config(model_params(defaults))
+    assert (REPO / "microspec" / "1" / "model.py").read_text() == MODEL_PY
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_outputs_equal_offline(server, offline, stream):
+    for prompt in PROMPTS[:2]:
+        want = offline(prompt)
+        got = client.generate(server.grpc_url, prompt, MAX_TOKENS, stream=stream)
+        assert got.text == want.text
+        assert got.stats["num_output_tokens"] == want.num_new_tokens
+        assert got.stats["num_input_tokens"] == want.stats["prompt_tokens"]
+        assert got.stats["acceptance_length"] == pytest.approx(want.stats["acceptance_length"], rel=1e-5)
+        assert got.stats["mean_active_vocab"] == pytest.approx(want.stats["vocab_mean"], rel=1e-5)
+        assert got.stats["mean_active_vocab"] > 0  # the draft really ran with a MicroSpec window
+        assert len(got.pieces) > 1 if stream else len(got.pieces) == 1
+
+
+def test_eight_concurrent_streaming_clients(server, offline):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    results: dict[int, object] = {}
+
+    def run(i: int):
+        try:
+            results[i] = client.generate(server.grpc_url, prompts[i], 12, stream=True, timeout=300)
+        except Exception as e:  # recorded, so the assertion below names it
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert [getattr(results.get(i), "text", results.get(i)) for i in range(8)] == \
+        [offline(p, 12).text for p in prompts]
+
+
+def test_stop_words_and_end_id(server, offline):
+    want = offline(PROMPTS[0]).text
+    stop = want[len(want) // 2:][:3]  # a word from the middle of the output: the text ends right before it
+    got = client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stop_words=[stop])
+    assert got.text == want[: want.index(stop)]
+    ids = offline(PROMPTS[0]).token_ids
+    got = client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, end_id=ids[3])
+    assert got.text == offline.llm.tokenizer.decode(ids[: ids.index(ids[3])])
+
+
+def raw_inputs(**tensors) -> list:
+    """Hand-made inputs (name -> (values, numpy dtype, Triton dtype)) for the malformed cases."""
+    out = []
+    for name, (values, dtype, triton_type) in tensors.items():
+        t = grpcclient.InferInput(name, [len(values)], triton_type)
+        t.set_data_from_numpy(np.array(values, dtype=dtype))
+        out.append(t)
+    return out
+
+
+MAX_TOKENS_IN = ([8], np.int32, "INT32")
+BAD_REQUESTS = {
+    "empty prompt": (client.make_inputs("", 8), "text_input is empty"),
+    "missing text_input": (raw_inputs(max_tokens=MAX_TOKENS_IN), "text_input"),
+    "wrong dtype": (raw_inputs(text_input=([1], np.int32, "INT32"), max_tokens=MAX_TOKENS_IN), "data-type"),
+    "wrong shape": (raw_inputs(text_input=([b"a", b"b"], np.object_, "BYTES"), max_tokens=MAX_TOKENS_IN), "shape"),
+    "max_tokens 0": (client.make_inputs("Hi", 0), "max_tokens must be between 1 and"),
+    "max_tokens over the limit": (client.make_inputs("Hi", MAX_SEQ_LEN + 1), "max_tokens must be between 1 and"),
+    "prompt too long": (client.make_inputs("hello " * MAX_SEQ_LEN, 8), "this engine accepts at most"),
+    "undecodable bytes": (client.make_inputs(b"\xff\xfe caf\xc3", 8), "not valid UTF-8"),
+}
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, offline):
+    for case, (inputs, message) in BAD_REQUESTS.items():
+        with pytest.raises(client.RequestError) as e:
+            list(client.stream_infer(server.grpc_url, inputs, timeout=120))
+        assert message in str(e.value), case
+        assert "\n" not in str(e.value).strip(), case  # one line, no traceback
+    assert client.generate(server.grpc_url, PROMPTS[1], MAX_TOKENS).text == offline(PROMPTS[1]).text
+
+
+LONG_PROMPT, LONG = "1, 2, 3, 4, 5, 6, 7, 8,", 150  # counting on: no early end of sequence
+CLIENT_THEN_KILLED = f"""
+import sys
+from trtllm_microspec.serving import client
+for piece in client.stream(sys.argv[1], {LONG_PROMPT!r}, {LONG}):
+    print(piece, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+def test_abandoned_stream_frees_the_model(server, offline, how):
+    assert offline(LONG_PROMPT, LONG).num_new_tokens == LONG  # so the abandoned request would run long
+    if how == "cancel":
+        gen = client.stream(server.grpc_url, LONG_PROMPT, LONG)
+        next(gen), next(gen)
+        gen.close()  # cancels the request on the server
+    else:
+        proc = subprocess.Popen([sys.executable, "-c", CLIENT_THEN_KILLED, server.grpc_url], stdout=subprocess.PIPE)
+        proc.stdout.readline(), proc.stdout.readline()
+        proc.kill()  # the client dies mid-stream: its connection drops
+        proc.wait()
+    got = client.generate(server.grpc_url, PROMPTS[2], MAX_TOKENS, timeout=300)
+    assert got.text == offline(PROMPTS[2]).text
+    # had the abandoned request run on, this one would have waited for ~LONG more tokens before its first
+    per_token = (got.latency_s - got.ttft_s) / (got.stats["num_output_tokens"] - 1)
+    assert got.ttft_s < LONG / 3 * per_token
+
+
+def test_serve_stops_on_sigterm_with_a_request_in_flight(engine_dir, random_draft_dir):
+    http, grpc, metrics = free_ports(3)
+    cmd = [sys.executable, "-m", "trtllm_microspec.cli", *serve_args(engine_dir, random_draft_dir),
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--exit-timeout", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "ready" in proc.stdout.readline()
+        url = f"127.0.0.1:{grpc}"
+        assert url in proc.stdout.readline()  # the endpoints are printed
+        errors = []
+        gen = client.stream(url, LONG_PROMPT, LONG, timeout=120)
+        next(gen)
+
+        def drain():
+            try:
+                for _ in gen:
+                    pass
+            except client.RequestError as e:
+                errors.append(str(e))
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        reader.join(timeout=60)
+        assert not reader.is_alive() and errors == ["the server is shutting down"]  # an error, not a hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    prefix = f"microspec_{proc.pid}_{grpc}_"  # TritonServer's shared-memory prefix, also in its stubs' command lines
+    assert not list(Path("/dev/shm").glob(f"{prefix}*"))
+    stubs = [p for p in Path("/proc").iterdir() if p.name.isdigit() and prefix.encode() in _cmdline(p)]
+    assert not stubs
+
+
+def _cmdline(p: Path) -> bytes:
+    try:
+        return (p / "cmdline").read_bytes()
+    except OSError:
+        return b""
