@@ -30,7 +30,7 @@ def bench(engine_dir, random_draft_dir, tmp_path_factory):
     save_file({"ranked_ids": torch.randperm(V, generator=torch.Generator().manual_seed(0))}, eng / FREQ_FILE)
     out = tmp_path_factory.mktemp("bench")
     main(["bench", "--engine", str(eng), "--draft", str(random_draft_dir), "--device", "cpu",
-          "--categories", ",".join(CATS), "--limit", "1", "--max-new-tokens", "6", "--warmup", "1",
+          "--categories", ",".join(CATS), "--limit", "1", "--max-new-tokens", "4", "--warmup", "1",
           "--methods", "ar,eagle,frspec,microspec,hf", "--frspec-k", "1024", "--w-max-sweep", "512,3072",
           "--depth", "2", "--total-tokens", "8", "--out", str(out)])
     return json.loads((out / "results.json").read_text()), out

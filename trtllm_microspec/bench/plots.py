@@ -31,6 +31,8 @@ def fig6(micro: list[dict], path: Path) -> None:
     w = [r["w_max"] for r in micro]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(w, [r["summary"]["overall"]["speed"] for r in micro], "o-", color="tab:green", label="speed")
+    ax.set_xscale("log", base=2)  # the paper's W_max points double
+    ax.set_xticks(w, [str(x) for x in w])
     ax.set_xlabel("W_max")
     ax.set_ylabel("tokens/s", color="tab:green")
     ax2 = ax.twinx()
@@ -60,7 +62,7 @@ def fig1b(res: dict, micro: list[dict], path: Path) -> None:
     ax.set_xlabel("draft vocabulary size (MicroSpec: mean active)")
     ax.set_ylabel("coverage of the target's tokens")
     ax.set_title("coverage vs vocabulary size: static top-K vs MicroSpec")
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=6, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -232,6 +232,12 @@ def markdown(res: dict) -> str:
                       f"| {knob} | " + " | ".join(t for _, t, _ in METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
             lines += [f"| {r[knob]} | " + " | ".join(_fmt(r["summary"]["overall"][k], s) for k, _, s in METRICS) + " |"
                       for r in sweep]
+    cov = res.get("static_coverage")
+    if cov:
+        cats = [c for c in cols if c in cov]
+        lines += ["", "## static top-K coverage of the AR output (FR-Spec's ranking, offline)", "",
+                  "| K | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+        lines += [f"| {k} | " + " | ".join(_fmt(cov[c][i], ".1%") for c in cats) + " |" for i, k in enumerate(cov["k"])]
     lines += ["", *[f"- {n}" for n in res["notes"]]]
     return "\n".join(lines) + "\n"
 
@@ -272,8 +278,9 @@ def cmd_bench(a) -> None:
             torch.cuda.empty_cache()
         summary = {c: summarize([r for r in records if r["category"] == c]) for c in a.categories}
         summary["overall"] = summarize(records)
+        ar = res["runs"]["ar"]["summary"] if res["runs"] else summary  # the first run is AR's
         for c, s in summary.items():
-            s["speedup"] = s["speed"] / (res["runs"]["ar"]["summary"][c]["speed"] if res["runs"] else s["speed"])
+            s["speedup"] = s["speed"] / ar[c]["speed"]
         mism = compare(ids, ar_ids)
         res["runs"][label] = {**run, "lossless": not mism, "mismatches": mism, "summary": summary, "turns": records}
         s = summary["overall"]
