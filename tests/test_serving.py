@@ -2,13 +2,11 @@
 streaming and not, under concurrency; bad requests get clear errors; cancellation and shutdown never wedge it."""
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
