@@ -148,7 +148,8 @@ def cmd_client(a: argparse.Namespace) -> None:
             return
         ms = lambda p: " ".join(f"{k} {v * 1e3:.0f} ms" for k, v in p.items() if v is not None)  # noqa: E731
         print(f"{r['completed']}/{r['requests']} requests at concurrency {r['concurrency']} in {r['wall_s']:.2f} s: "
-              f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s\n"
+              f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
+              f"mean acceptance length {r['mean_acceptance_length'] or 0:.2f}\n"
               f"  time to first token: {ms(r['ttft_s'])}\n  request latency:     {ms(r['latency_s'])}")
         for e in sorted(set(r["errors"])):
             print(f"  error ({r['errors'].count(e)}x): {e}", file=sys.stderr)

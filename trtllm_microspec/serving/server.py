@@ -71,8 +71,8 @@ def model_params(a: argparse.Namespace) -> dict[str, str]:
     return {"engine_dir": str(a.engine), "draft_dir": str(a.draft or ""), "method": a.method,
             "device": a.device or "", "w_max": str(a.w_max), "k_pre": str(a.k_pre), "k_ver": str(a.k_ver),
             "static_k": str(a.static_k), "depth": str(a.depth), "top_k": str(a.top_k),
-            "total_tokens": str(a.total_tokens), "max_seq_len": str(a.max_seq_len or ""),
-            "max_queue_size": str(a.max_queue_size)}
+            "total_tokens": str(a.total_tokens), "max_seq_len": str(a.max_seq_len or ""), "dtype": a.dtype or "",
+            "cuda_graphs": str(not a.eager).lower(), "max_queue_size": str(a.max_queue_size)}
 
 
 def model_config(params: dict[str, str], kind: str = "cpu", name: str = MODEL_NAME) -> str:

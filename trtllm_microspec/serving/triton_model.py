@@ -82,7 +82,7 @@ class TritonPythonModel:
         ints = {k: int(p[k]) for k in ("w_max", "k_pre", "k_ver", "static_k", "depth", "top_k", "total_tokens",
                                        "max_seq_len") if p.get(k)}  # left out or empty: LLM's default
         self.llm = LLM(p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
-                       device=device, **ints)
+                       device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false", **ints)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=int(p.get("max_queue_size", 64)))
         # Triton calls finalize only once no request is in flight, so `microspec serve` announces a shutdown with
         # this file: running and queued requests then end at once with an error instead of holding the server up
