@@ -64,7 +64,7 @@ def load_questions(data: Path, categories: list[str], limit: int | None) -> list
 class HFReference:
     """transformers' own `generate` on the engine's dense weights (source.json keeps the original HF config)."""
 
-    def __init__(self, engine: str, device: str | None):
+    def __init__(self, engine: str, device: str | None, dtype: str | None):
         import transformers
         from safetensors.torch import load_file
 
@@ -73,7 +73,7 @@ class HFReference:
         from ..models.tokenizer import Tokenizer
 
         d = resolve_engine(engine)
-        self.device, dtype = pick_device(device)
+        self.device, dtype = pick_device(device, dtype)
         hf = dict(json.loads((d / "source.json").read_text())["hf_config"])
         cfg = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
         with torch.device(self.device):
@@ -118,7 +118,7 @@ def build_runs(a) -> list[dict]:
 
 def make_model(a, run: dict):
     if run["method"] == HF:
-        return HFReference(a.engine, a.device)
+        return HFReference(a.engine, a.device, a.dtype)
     from ..cli import llm_from_args
 
     return llm_from_args(argparse.Namespace(**{**vars(a), "w_max": run["w_max"], "static_k": run["static_k"]}),
