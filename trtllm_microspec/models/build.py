@@ -10,6 +10,7 @@ transformers (and gguf) are used here only, at build time, to dequantize GGUF an
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from .model import ModelConfig
 from .registry import MODELS, UserError, fetch, sha256_file
 
+PACKAGED_DRAFTS = Path(__file__).resolve().parents[1] / "drafts"  # trained heads shipped in the package, by model key
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 
@@ -151,6 +153,9 @@ def build_engine(source: str, out_dir: str | Path, dtype: str = "bfloat16", max_
     source_rec = {"source": str(source), "path": str(src),
                   "sha256": sha256_file(src) if src.is_file() else None, "hf_config": hf}
     (out / "source.json").write_text(json.dumps(source_rec, indent=2, default=str) + "\n")
+    packaged = PACKAGED_DRAFTS / str(source)
+    if packaged.is_dir():  # the default model ships a trained EAGLE head: it becomes the engine's default draft
+        shutil.copytree(packaged, out / "eagle", dirs_exist_ok=True)
     print(f"engine written to {out}", file=sys.stderr)
     return out
 
