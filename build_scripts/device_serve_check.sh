@@ -20,16 +20,21 @@ pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --upg
 pip_target /tmp/site .whl/*.whl $(ls .whl2/*.whl | grep -v '/numpy-')
 pip_target /tmp/stub-site .whl2/numpy-1*.whl  # seen only by the stub: its pybind11 misreads numpy 2 dtypes
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-ms() { python3 -m trtllm_microspec.cli "$@"; }
+MS=(python3 -m trtllm_microspec.cli)
 
 python3 -c "import torch; print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
                                  '| torch', torch.__version__)"
 LOG=/tmp/microspec-serve.out
-ms serve --engine "$ENGINE" "${DRAFT[@]}" --device "$DEVICE" --instance-kind "$KIND" --stub-site /tmp/stub-site \
+"${MS[@]}" serve --engine "$ENGINE" "${DRAFT[@]}" --device "$DEVICE" --instance-kind "$KIND" --stub-site /tmp/stub-site \
   --grpc-port "$PORT" --http-port $((PORT - 1)) --metrics-port $((PORT + 1)) --log-file /tmp/tritonserver.log \
   >"$LOG" 2>&1 &
 SERVE=$!
-trap 'kill -TERM $SERVE 2>/dev/null; wait $SERVE; cat "$LOG"; echo "shared-memory regions left: $(ls /dev/shm | grep -c ^microspec_)"' EXIT
+stop() {
+  kill -TERM $SERVE 2>/dev/null && wait $SERVE || true
+  tail -n 1 "$LOG"
+  echo "after stop: $(pgrep -fc triton_python_backend_stub || true) stub processes, $(ls /dev/shm | grep -c ^microspec_ || true) shared-memory regions"
+}
+trap stop EXIT
 until grep -q "ready in" "$LOG"; do
   kill -0 $SERVE 2>/dev/null || { echo "serve exited:"; tail -n 20 /tmp/tritonserver.log; exit 1; }
   sleep 1
@@ -37,9 +42,9 @@ done
 cat "$LOG"
 
 echo "== one streamed request"
-ms client --url 127.0.0.1:$PORT --chat --max-tokens "$MAX_TOKENS" \
+"${MS[@]}" client --url 127.0.0.1:$PORT --chat --max-tokens "$MAX_TOKENS" \
   --prompt "Explain in a few sentences why the sky is blue."
 echo "== load: $REQUESTS requests, concurrency $CONCURRENCY, $MAX_TOKENS tokens max"
-ms client --url 127.0.0.1:$PORT --chat --max-tokens "$MAX_TOKENS" --concurrency "$CONCURRENCY" --requests "$REQUESTS" \
+"${MS[@]}" client --url 127.0.0.1:$PORT --chat --max-tokens "$MAX_TOKENS" --concurrency "$CONCURRENCY" --requests "$REQUESTS" \
   --prompt "Write a short poem about the ocean." --prompt "What is the capital of Australia? Answer briefly." \
   --prompt "Explain how a hash map works." --prompt "Give three tips for learning to play the guitar."

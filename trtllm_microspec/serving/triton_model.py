@@ -38,6 +38,10 @@ class Shutdown(Exception):
     pass
 
 
+class Cancelled(Exception):
+    pass
+
+
 def _input(request, name: str):
     """The single value of an optional input, or None when the request left it out."""
     t = pb_utils.get_input_tensor_by_name(request, name)
@@ -146,13 +150,17 @@ class TritonPythonModel:
         while (job := self.jobs.get()) is not None:
             try:
                 self._run(job)
+                continue
             except Shutdown:
-                _send(job.sender, _error("the server is shutting down", "UNAVAILABLE"), final=True)
+                error = _error("the server is shutting down", "UNAVAILABLE")
+            except Cancelled:  # the final flag still goes out, so Triton can retire the request
+                error = _error("the request was cancelled", "CANCELLED")
             except Exception as e:  # a failure in one request must not stop the worker
-                try:
-                    _send(job.sender, _error(f"generation failed: {type(e).__name__}: {e}", "INTERNAL"), final=True)
-                except Exception:
-                    pass  # the client is gone
+                error = _error(f"generation failed: {type(e).__name__}: {e}", "INTERNAL")
+            try:
+                _send(job.sender, error, final=True)
+            except Exception:
+                pass  # the client is gone
 
     def _run(self, job: Job) -> None:
         gen = self.llm.stream_tokens(job.prompt, job.max_tokens, job.chat)
@@ -161,8 +169,8 @@ class TritonPythonModel:
             while True:
                 if self._stopping():
                     raise Shutdown()
-                if job.sender.is_cancelled():
-                    return  # the client cancelled or went away: `finally` frees the model for the next one
+                if job.sender.is_cancelled():  # the client cancelled or went away: `finally` frees the model
+                    raise Cancelled()
                 try:
                     piece, toks = next(gen)
                 except StopIteration as stop:
