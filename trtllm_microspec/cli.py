@@ -8,7 +8,7 @@ import sys
 
 from .models.registry import DEFAULT_MODEL, MODELS, UserError
 
-# modules with a `register(subparsers)` function; imported lazily so `microspec --help` stays fast
+# modules that add their own sub-commands through `register(subparsers)`
 FEATURE_MODULES = [
     "trtllm_microspec.vocab.frequency",
     "trtllm_microspec.train.train_draft",
@@ -154,13 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_quickstart)
 
     for name in FEATURE_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("trtllm_microspec"):
-                continue  # feature not present in this build
-            raise
-        mod.register(sub)
+        importlib.import_module(name).register(sub)
     return p
 
 

@@ -90,7 +90,8 @@ class LLM:
     def prompt_ids(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
         return self.tokenizer.prompt_ids(prompt, chat)
 
-    def stream_tokens(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False):
+    def stream_tokens(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False,
+                      incremental: bool = True):
         """Yields (text piece, new token ids) per step; the generator's return value is the Result."""
         ids = self.prompt_ids(prompt, chat)
         self.executor.check(ids, max_new_tokens)
@@ -107,6 +108,8 @@ class LLM:
                     break
                 out += toks
                 pending += toks
+                if not incremental:  # generate(): decode once at the end, not every step
+                    continue
                 text = self.tokenizer.decode(out)
                 if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
                     continue
@@ -120,7 +123,7 @@ class LLM:
                       stats={"method": self.method, **stats.summary()})
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False) -> Result:
-        gen = self.stream_tokens(prompt, max_new_tokens, chat)
+        gen = self.stream_tokens(prompt, max_new_tokens, chat, incremental=False)
         while True:
             try:
                 next(gen)
