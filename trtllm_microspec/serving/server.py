@@ -216,6 +216,7 @@ class TritonServer:
 
 def cmd_serve(a: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM unwinds like Ctrl-C: the server is stopped
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background of a script
     pytriton_dir()  # fail early and clearly without the serve extra
     stub_site(a.stub_site)
     with tempfile.TemporaryDirectory(prefix="microspec-repo-") as tmp:
