@@ -142,7 +142,6 @@ def build_engine(source: str, out_dir: str | Path, dtype: str = "bfloat16", max_
     _check_weights(cfg, weights)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / "model.safetensors")
-    cfg.save(out / "config.json")
     tok.backend_tokenizer.save(str(out / "tokenizer.json"))
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
     (out / "chat_template.jinja").unlink(missing_ok=True)
@@ -156,6 +155,7 @@ def build_engine(source: str, out_dir: str | Path, dtype: str = "bfloat16", max_
     packaged = PACKAGED_DRAFTS / str(source)
     if packaged.is_dir():  # the default model ships a trained EAGLE head: it becomes the engine's default draft
         shutil.copytree(packaged, out / "eagle", dirs_exist_ok=True)
+    cfg.save(out / "config.json")  # last: an interrupted build leaves no config.json, so it is rebuilt, not loaded
     print(f"engine written to {out}", file=sys.stderr)
     return out
 
