@@ -22,12 +22,12 @@ import torch
 
 from plugins import ops
 
+from ..models.registry import UserError
+
 METHODS = ("ar", "eagle", "frspec", "microspec", "ctx-only", "ext-only", "naive")
 
 
 class FullVocab:
-    name = "full"
-
     def __init__(self, head: torch.Tensor):
         self.packed = head
         self.id_of = torch.arange(head.shape[0], device=head.device)
@@ -53,8 +53,6 @@ class FullVocab:
 
 
 class StaticVocab(FullVocab):
-    name = "static"
-
     def __init__(self, head: torch.Tensor, ranked_ids: torch.Tensor, k: int, pinned: list[int]):
         ids = torch.unique(torch.cat([torch.tensor(pinned, dtype=torch.long), ranked_ids[:k].long()]))
         ids = ids.to(head.device)
@@ -77,7 +75,6 @@ class WindowVocab:
     def __init__(self, name: str, head: torch.Tensor, w_max: int, pinned: list[int]):
         V, d = head.shape
         dev = head.device
-        self.name = name
         use_prompt, use_rounds, packed = self.FLAGS[name]
         self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev)
         self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
@@ -158,7 +155,6 @@ def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 
         return FullVocab(head)
     if method == "frspec":
         if ranked_ids is None:
-            from ..models.registry import UserError
             raise UserError("frspec needs token frequencies: run `microspec build-freq --engine DIR` first")
         return StaticVocab(head, ranked_ids, static_k, pinned)
     return WindowVocab(method, head, w_max, pinned)
