@@ -136,6 +136,8 @@ def test_stop_words_and_end_id(server, offline):
     stop = want[len(want) // 2:][:3]  # a word from the middle of the output: the text ends right before it
     got = client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stop_words=[stop])
     assert got.text == want[: want.index(stop)]
+    # ended early, the request still reports the statistics of the rounds it ran
+    assert got.stats["acceptance_length"] >= 1.0 and got.stats["mean_active_vocab"] > 0
     ids = offline(PROMPTS[0]).token_ids
     got = client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, end_id=ids[3])
     assert got.text == offline.llm.tokenizer.decode(ids[: ids.index(ids[3])])

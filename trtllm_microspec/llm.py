@@ -100,9 +100,10 @@ class LLM:
             pending: list[int] = []  # tokens whose text has not been yielded yet
             sent = ""
             steps = self.executor.run(ids, max_new_tokens)
+            end_now = None  # send(True) into this generator ends the request early, statistics kept
             while True:
                 try:
-                    toks = next(steps)
+                    toks = steps.send(end_now)
                 except StopIteration as stop:
                     stats = stop.value
                     break
@@ -114,7 +115,7 @@ class LLM:
                 if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
                     continue
                 piece, sent = text[len(sent):], text
-                yield piece, pending
+                end_now = yield piece, pending
                 pending = []
             text = self.tokenizer.decode(out)
             if text != sent or pending:

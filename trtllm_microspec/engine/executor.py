@@ -97,9 +97,10 @@ class Executor:
             stop = next((i for i, t in enumerate(toks[:room]) if t in self.stop_ids), None)
             toks = toks[: stop + 1] if stop is not None else toks[:room]
             stats.new_tokens += len(toks)
-            yield toks
-            if stop is not None or stats.new_tokens >= max_new_tokens:
-                stats.stop_reason = "eos" if stop is not None else "max_tokens"
+            end_now = yield toks  # a caller may send(True) to end early (a stop word) and still get the stats
+            if stop is not None or stats.new_tokens >= max_new_tokens or end_now:
+                stats.stop_reason = ("eos" if stop is not None else "max_tokens" if stats.new_tokens >= max_new_tokens
+                                     else "stopped")
                 break
         else:
             stats.stop_reason = "length"

@@ -184,9 +184,7 @@ class TritonPythonModel:
                 if job.stream and piece:
                     _send(job.sender, _response(piece))
                 if cut is not None:
-                    # the executor did not finish, so there are no round statistics for this request
-                    stats = {"prompt_tokens": job.prompt_tokens, "new_tokens": len(ids),
-                             "acceptance_length": 0.0, "vocab_mean": 0.0}
+                    stats = _end_early(gen)
                     break
         finally:
             gen.close()  # releases the LLM's lock if we stopped early
@@ -198,3 +196,12 @@ class TritonPythonModel:
         if job.end_id is not None and job.end_id in ids:
             cuts.append(len(self.llm.tokenizer.decode(ids[: ids.index(job.end_id)])))
         return min(cuts) if cuts else None
+
+
+def _end_early(gen) -> dict:
+    """Ends a generation at a stop word or end_id; the executor still returns the request's statistics."""
+    while True:
+        try:
+            gen.send(True)
+        except StopIteration as stop:
+            return stop.value.stats
