@@ -6,6 +6,8 @@
 #   plugins   build the CUDA extension, then the CUDA-vs-reference agreement check
 #   lossless  every method vs AR on Spec-Bench prompts, smollm2-135m, random head, bf16 and fp32 (CUDA graphs)
 #   train-smollm2 / bench-smollm2   train the default head, then Spec-Bench with it
+#   train-qwen / bench-qwen          the same for qwen2.5-coder-1.5b (its GGUF moved with xfer.sh first)
+#   serve     build_scripts/device_serve_check.sh on the smollm2 engine
 #   kernels   microspec bench-kernels
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
@@ -19,10 +21,9 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     setup)
-      for d in .xfer/wheels .whl .whl2; do
-        ls $d/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
-          --no-cache-dir --upgrade --target /tmp/site $d/*.whl
-      done
+      # build-time wheels only (gguf); the serving wheels are installed by device_serve_check.sh
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .xfer/wheels/*.whl
       [ -d .xfer/data ] && cp -r .xfer/data /root/stash/
       ls .xfer/sharegpt*.whl >/dev/null 2>&1 && cp .xfer/sharegpt*.whl /root/stash/sharegpt.whl
       nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader ;;
@@ -60,6 +61,18 @@ EOF
         --methods ar,eagle,frspec,microspec,ctx-only,ext-only,naive --w-max-sweep 1024,2048,4096 \
         --limit 1 --max-new-tokens 256 --warmup 1 --out /root/bench_smollm2 2>&1 | grep "\[bench\]\|rror"
       mkdir -p $OUT/bench_smollm2; cp /root/bench_smollm2/*.{md,json,png} $OUT/bench_smollm2/ ;;
+    train-qwen)  # target features are cached first and count against --time-limit: keep the corpus modest
+      ms train-draft --engine /root/engines/qwen2.5-coder-1.5b --out /root/engines/qwen2.5-coder-1.5b/eagle \
+        --conversations 3000 --epochs 2 --time-limit 540 --device cuda 2>&1 | tr '\r' '\n' | grep -v "/s\]$" \
+        | tail -15 | tee $OUT/train_qwen.log ;;
+    bench-qwen)
+      ms bench --engine /root/engines/qwen2.5-coder-1.5b --device cuda \
+        --methods ar,eagle,frspec,microspec,ctx-only,ext-only,naive --frspec-k 4096,16384 \
+        --w-max-sweep 1024,2048,4096,8192 --limit 2 --max-new-tokens 512 --warmup 2 --out /root/bench_qwen 2>&1 \
+        | grep "\[bench\]\|rror"
+      mkdir -p $OUT/bench_qwen; cp /root/bench_qwen/*.{md,json,png} $OUT/bench_qwen/ ;;
+    serve)  # needs .whl and .whl2 carried
+      bash build_scripts/device_serve_check.sh /root/engines/smollm2-135m 2>&1 | tee $OUT/serve_check.log ;;
     kernels)
       ms bench-kernels --out $OUT/bench_kernels.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;
