@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,14 @@ def test_draft_hidden_size_mismatch(capsys, engine, random_draft_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     assert_user_error(run(capsys, *gen(engine, "--prompt", "hi", "--method", "eagle", "--draft", bad)),
                       "1024", "576")
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("build_engine.py", ["{tmp}/missing.gguf", "--out", "{tmp}/engine"]),
+    ("build_draft.py", ["--checkpoint", "{tmp}", "--engine", "{tmp}", "--out", "{tmp}/draft"]),
+])
+def test_build_scripts_are_the_cli(script, argv, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "build_scripts" / script), *(a.format(tmp=tmp_path) for a in argv)],
+                       capture_output=True, text=True)
+    assert_user_error((r.returncode, r.stdout, r.stderr))
