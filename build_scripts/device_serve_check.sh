@@ -2,8 +2,9 @@
 # Serving on the GPU machine (issue 6): `microspec serve` on the real tritonserver, one streamed request, a short
 # load run. Run from the repo root there (python3.12 with CUDA torch, no internet):
 #   bash build_scripts/device_serve_check.sh ENGINE_DIR [DRAFT_DIR]
-# Wheels come carried: .whl/ (nvidia-pytriton: tritonserver and its Python backend) and .whl2/ (tritonclient,
-# grpcio, protobuf, python-rapidjson, ml_dtypes, jinja2, markupsafe, and numpy 1.26 for Triton's Python stub only).
+# Wheels come carried and are installed by `gpu_session.sh setup`: .whl/ (nvidia-pytriton: tritonserver and its
+# Python backend) and .whl2/ (tritonclient, grpcio, protobuf, python-rapidjson, ml_dtypes, jinja2, markupsafe) into
+# /tmp/serve-site, and numpy 1.26 into /tmp/stub-site for Triton's Python stub only.
 # Knobs: INSTANCE_KIND=gpu|cpu (Triton instance kind; the model runs on cuda either way), GRPC_PORT, MAX_TOKENS,
 # CONCURRENCY, REQUESTS, DEVICE (cuda; cpu with INSTANCE_KIND=cpu rehearses the script on a CPU machine).
 set -euo pipefail
@@ -16,10 +17,8 @@ MAX_TOKENS=${MAX_TOKENS:-256}
 CONCURRENCY=${CONCURRENCY:-4}
 REQUESTS=${REQUESTS:-16}
 
-pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$@"; }
-pip_target /tmp/site .whl/*.whl $(ls .whl2/*.whl | grep -v '/numpy-')
-pip_target /tmp/stub-site .whl2/numpy-1*.whl  # seen only by the stub: its pybind11 misreads numpy 2 dtypes
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -d /tmp/serve-site/pytriton ] && [ -d /tmp/stub-site/numpy ] || { echo "run gpu_session.sh setup with .whl and .whl2 first"; exit 2; }
+export PYTHONPATH=/tmp/serve-site:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 MS=(python3 -m trtllm_microspec.cli)
 
 python3 -c "import torch; print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
