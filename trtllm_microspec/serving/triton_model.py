@@ -87,6 +87,9 @@ class TritonPythonModel:
                                        "max_seq_len") if p.get(k)}  # left out or empty: LLM's default
         self.llm = LLM(p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
                        device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false", **ints)
+        # one short generation before the model reports ready: kernel loading and the CUDA-graph capture of the first
+        # KV bucket are paid here, not by the first client (on the H200 its first token took 0.79 s without this)
+        self.llm.generate("Hello", 16)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=int(p.get("max_queue_size", 64)))
         # Triton calls finalize only once no request is in flight, so `microspec serve` announces a shutdown with
         # this file: running and queued requests then end at once with an error instead of holding the server up
