@@ -59,6 +59,13 @@ def test_hf_dir_build_matches_gguf_build(engine_dir, hf_dir, tmp_path):
     mask = pos[None, :] <= pos[:, None]
     with torch.no_grad():
         assert torch.equal(a.logits(a(ids, pos, pos, mask)), b.logits(b(ids, pos, pos, mask)))
+    assert not (out / "eagle").exists()  # an unknown checkpoint gets no packaged head
+
+
+def test_registry_gguf_built_from_its_path_gets_the_packaged_head(engine_dir, tmp_path):
+    # a GGUF moved by hand (e.g. to the GPU machine) is recognised by its sha256 as the registry model it is
+    out = build_engine(str(registry.gguf_path("smollm2-135m")), tmp_path / "engine")
+    assert (out / "eagle" / "model.safetensors").read_bytes() == (engine_dir / "eagle" / "model.safetensors").read_bytes()
 
 
 def test_unsupported_architecture(hf_dir, tmp_path):

@@ -149,11 +149,13 @@ def build_engine(source: str, out_dir: str | Path, dtype: str = "bfloat16", max_
         (out / "chat_template.jinja").write_text(template)
     special = {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
     (out / "tokenizer_config.json").write_text(json.dumps(special, indent=2) + "\n")
-    source_rec = {"source": str(source), "path": str(src),
-                  "sha256": sha256_file(src) if src.is_file() else None, "hf_config": hf}
+    digest = sha256_file(src) if src.is_file() else None
+    source_rec = {"source": str(source), "path": str(src), "sha256": digest, "hf_config": hf}
     (out / "source.json").write_text(json.dumps(source_rec, indent=2, default=str) + "\n")
-    packaged = PACKAGED_DRAFTS / str(source)
-    if packaged.is_dir():  # the default model ships a trained EAGLE head: it becomes the engine's default draft
+    # a registry model built from its key or from its GGUF moved by hand (known by its sha256) is the same model
+    key = source if source in MODELS else next((k for k, m in MODELS.items() if m.sha256 == digest), "")
+    packaged = PACKAGED_DRAFTS / key
+    if key and packaged.is_dir():  # the default model ships a trained EAGLE head: it becomes the engine's default draft
         shutil.copytree(packaged, out / "eagle", dirs_exist_ok=True)
     cfg.save(out / "config.json")  # last: an interrupted build leaves no config.json, so it is rebuilt, not loaded
     print(f"engine written to {out}", file=sys.stderr)
