@@ -148,3 +148,149 @@ def test_build_scripts_are_the_cli(script, argv, tmp_path):
     r = subprocess.run([sys.executable, str(root / "build_scripts" / script), *(a.format(tmp=tmp_path) for a in argv)],
                        capture_output=True, text=True)
     assert_user_error((r.returncode, r.stdout, r.stderr))
+
+
+# Every numeric knob of add_llm_args, out of range: (flag, value, what the one-line error must say). The checks run
+# before any weights load, in generate as in serve (where they run before tritonserver starts).
+BAD_KNOBS = [
+    ("--w-max", 0, "w_max must be between 10 and 49152"),
+    ("--w-max", -3, "w_max must be between 10 and 49152"),
+    ("--w-max", 9, "the window holds at least top_k ids"),
+    ("--w-max", 49153, "w_max must be between 10 and 49152"),
+    ("--k-pre", -1, "k_pre must be between 0 and 49152 (0: the window starts from the prompt's own tokens"),
+    ("--k-pre", 49153, "k_pre must be between 0 and 49152"),
+    ("--k-ver", -1, "k_ver must be between 0 and 49152 (0: rounds add only the draft tree's tokens"),
+    ("--static-k", 0, "static_k must be between 10 and 49152"),
+    ("--depth", 0, "depth must be at least 1, got 0"),
+    ("--depth", -2, "depth must be at least 1, got -2"),
+    ("--top-k", 0, "top_k must be between 1 and 49152"),
+    ("--top-k", 49153, "top_k must be between 1 and 49152"),
+    ("--total-tokens", 0, "total_tokens must be between 2 and 511 (the root plus up to 510 draft tokens"),
+    ("--total-tokens", 1, "total_tokens must be between 2 and 511"),
+    ("--total-tokens", 512, "total_tokens must be between 2 and 511"),
+    ("--max-seq-len", 0, "max_seq_len must be at least 1, got 0"),
+    ("--max-seq-len", -5, "max_seq_len must be at least 1, got -5"),
+]
+
+
+def serve_available() -> bool:
+    from trtllm_microspec.models.registry import UserError
+    from trtllm_microspec.serving.server import pytriton_dir
+
+    try:
+        pytriton_dir()
+        return True
+    except UserError:
+        return False
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("flag, value, message", BAD_KNOBS)
+def test_bad_knob_is_one_line_error(capsys, engine, random_draft_dir, command, flag, value, message):
+    if command == "serve" and not serve_available():
+        pytest.skip("serve extra not installed")
+    argv = [command, "--engine", engine, "--draft", random_draft_dir, "--device", "cpu", "--method", "microspec",
+            flag, value]
+    if command == "generate":
+        argv += ["--prompt", "hi"]
+    assert_user_error(run(capsys, *argv), message)
+
+
+def test_tree_too_big_for_max_seq_len(capsys, engine, random_draft_dir):
+    # each round reserves 60 cache slots for the default tree: 40 leaves no room for a prompt
+    assert_user_error(run(capsys, *gen(engine, "--prompt", "hi", "--method", "microspec", "--draft", random_draft_dir,
+                                       "--max-seq-len", 40)), "max_seq_len 40 leaves no room", "60 cache slots")
+
+
+def test_bad_device(capsys, engine):
+    assert_user_error(run(capsys, *gen(engine, "--prompt", "hi", "--device", "tpu")), "unknown device 'tpu'")
+
+
+def test_k_pre_and_k_ver_zero(capsys, engine, random_draft_dir):
+    """0 is allowed and means: the window starts from the prompt's tokens only, and rounds add only the tree's."""
+    def vocab_and_ids(*knobs):
+        code, out, err = run(capsys, *gen(engine, "--prompt", "The capital of France is", "--max-new-tokens", 8,
+                                          "--json", "--method", "microspec", "--draft", random_draft_dir,
+                                          "--depth", 2, "--top-k", 4, "--total-tokens", 8, *knobs))
+        assert code == 0, err
+        r = json.loads(out)
+        return r["stats"]["vocab_mean"], r["token_ids"]
+
+    vocab, ids = vocab_and_ids()
+    vocab0, ids0 = vocab_and_ids("--k-pre", 0, "--k-ver", 0)
+    assert ids0 == ids  # still lossless
+    assert 0 < vocab0 < vocab  # fewer candidates entered the window
+
+
+def damaged_copy(engine_dir: Path, out: Path) -> Path:
+    """A copy of the engine whose files are links, so a test can replace one file without touching the real one."""
+    out.mkdir(parents=True)
+    for f in engine_dir.iterdir():
+        if f.is_file():
+            (out / f.name).symlink_to(f)
+    return out
+
+
+def cut_weights(d: Path) -> None:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 3])
+
+
+def edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+
+
+DAMAGES = {
+    "weights cut short": (cut_weights, "weights: Error while deserializing header"),
+    "tokenizer missing": (lambda d: (d / "tokenizer.json").unlink(), "missing tokenizer.json"),
+    "config not matching the weights": (lambda d: edit_config(d, hidden_size=640), "size mismatch"),
+    "config cut short": (lambda d: (d / "config.json").unlink() or (d / "config.json").write_text('{"arch": '),
+                         "config.json: Expecting value"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGES)
+def test_damaged_engine_dir(capsys, engine_dir, tmp_path, case):
+    damage, reason = DAMAGES[case]
+    d = damaged_copy(engine_dir, tmp_path / "engine")
+    damage(d)
+    assert_user_error(run(capsys, *gen(d, "--prompt", "hi")), f"{d} is damaged (", reason,
+                      f"rebuild it with `microspec build smollm2-135m --out {d} --force`")
+
+
+def test_damaged_cached_engine_is_rebuilt_with_force(capsys, engine_dir, tmp_path, monkeypatch):
+    """A cached engine named by its model key: the message gives the command that repairs it, and it does."""
+    monkeypatch.setenv("MICROSPEC_CACHE", str(tmp_path))
+    gguf = tmp_path / "models" / "smollm2-135m" / "smollm2-135m.gguf"
+    gguf.parent.mkdir(parents=True)
+    gguf.symlink_to(Path(json.loads((engine_dir / "source.json").read_text())["path"]))  # no second download
+    cached = damaged_copy(engine_dir, tmp_path / "engines" / "smollm2-135m")
+    cut_weights(cached)
+    argv = gen("smollm2-135m", "--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", 6)
+    assert_user_error(run(capsys, *argv), "is damaged (", "rebuild it with `microspec build smollm2-135m --force`")
+    code, out, err = run(capsys, "build", "smollm2-135m")  # without --force an engine that is there is kept
+    assert code == 0 and "already built; --force rebuilds it" in err
+    assert_user_error(run(capsys, *argv), "is damaged (")
+    code, out, err = run(capsys, "build", "smollm2-135m", "--force")
+    assert code == 0, err
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and "Paris" in out, err
+
+
+def test_build_max_seq_len(capsys, tmp_path):
+    assert_user_error(run(capsys, "build", "smollm2-135m", "--out", tmp_path / "e", "--max-seq-len", 0),
+                      "max_seq_len must be at least 1, got 0")
+
+
+def test_help_is_for_users(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "microspec quickstart" in out and "register(" not in out
+    code, out, _ = run(capsys, "generate", "--help")
+    options = " ".join(out.split("options:")[1].split())  # argparse wraps lines
+    for flag in ("--w-max", "--k-pre", "--k-ver", "--static-k", "--depth", "--top-k", "--total-tokens",
+                 "--max-seq-len", "--max-new-tokens"):
+        explained = options.split(f"{flag} {flag[2:].upper().replace('-', '_')} ", 1)[1].split(" --", 1)[0]
+        assert len(explained.split()) >= 6, (flag, explained)

@@ -5,6 +5,7 @@ import argparse
 import importlib
 import json
 import sys
+from pathlib import Path
 
 from .models.registry import DEFAULT_MODEL, MODELS, UserError
 
@@ -27,14 +28,22 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="EAGLE draft directory (default: <engine>/eagle)")
     p.add_argument("--method", default="ar", choices=METHODS)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--w-max", type=int, default=3072, help="MicroSpec window size")
-    p.add_argument("--k-pre", type=int, default=3, help="target top-K per prompt position for S_init")
-    p.add_argument("--k-ver", type=int, default=3, help="target top-K per accepted position per round")
-    p.add_argument("--static-k", type=int, default=32768, help="FR-Spec vocabulary size")
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=10)
-    p.add_argument("--total-tokens", type=int, default=60)
-    p.add_argument("--max-seq-len", type=int, help="cap the KV cache length (default: the engine's)")
+    p.add_argument("--w-max", type=int, default=3072, help="MicroSpec window: the draft may propose the distinct "
+                   "ids among the last W_MAX candidates of the stream (from --top-k to the vocabulary size)")
+    p.add_argument("--k-pre", type=int, default=3, help="MicroSpec: the target's top-K ids at every prompt position "
+                   "start the window (0: only the prompt's own tokens)")
+    p.add_argument("--k-ver", type=int, default=3, help="MicroSpec: the target's top-K ids at every accepted "
+                   "position join the window each round (0: only the draft tree's tokens)")
+    p.add_argument("--static-k", type=int, default=32768, help="frspec: the draft may propose the K most frequent "
+                   "ids (from --top-k to the vocabulary size)")
+    p.add_argument("--depth", type=int, default=5, help="draft tree depth: levels the draft grows after its first "
+                   "guess, i.e. depth+1 draft calls per round (at least 1)")
+    p.add_argument("--top-k", type=int, default=10, help="draft tree width: guesses kept per node and nodes grown "
+                   "per level (at least 1)")
+    p.add_argument("--total-tokens", type=int, default=60, help="draft tree size, the root included: tokens the "
+                   "target checks in one pass per round (2 to 1 + top_k + depth*top_k^2)")
+    p.add_argument("--max-seq-len", type=int, help="most tokens, prompt and output together, one request may hold "
+                   "(the KV cache length; default and upper bound: the engine's)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, ablation)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -68,6 +77,10 @@ def cmd_build(a) -> None:
     out = a.out or (cache_dir() / "engines" / a.source if a.source in MODELS else None)
     if out is None:
         raise UserError("--out DIR is required when building from a file or directory")
+    if (Path(out) / "config.json").exists() and not a.force:  # a finished build (config.json is written last)
+        print(f"{out} is already built; --force rebuilds it", file=sys.stderr)
+        print(out)
+        return
     build_engine(a.source, out, dtype=a.dtype, max_seq_len=a.max_seq_len)
     print(out)
 
@@ -117,8 +130,19 @@ def cmd_quickstart(a) -> None:
         sys.exit(1)
 
 
+DESCRIPTION = """\
+Greedy text generation with EAGLE-2 speculative decoding and MicroSpec's tiny dynamic draft vocabulary: the
+output is exactly the model's own greedy output, produced in fewer target passes.
+
+start here:   microspec quickstart          (fetch SmolLM2-135M, build it, compare AR and MicroSpec)
+generate:     microspec generate --prompt "Why is the sky blue?" --chat --method microspec
+serve:        microspec serve               (Triton Inference Server: gRPC streaming and HTTP generate)
+`microspec COMMAND --help` explains each command; bad input ends with one line `microspec: error: ...`, exit 2."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="microspec", description=__doc__)
+    p = argparse.ArgumentParser(prog="microspec", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("models", help="list or fetch the real models")
@@ -130,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("source")
     b.add_argument("--out", help="engine directory (default for a model key: the cache)")
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    b.add_argument("--max-seq-len", type=int)
+    b.add_argument("--max-seq-len", type=int, help="the engine's maximum tokens per request, prompt and output "
+                   "together (default: the model's, at most 8192)")
+    b.add_argument("--force", action="store_true", help="rebuild an engine that is already there (e.g. a damaged one)")
     b.set_defaults(func=cmd_build)
 
     bd = sub.add_parser("build-draft", help="official EAGLE-1/2 checkpoint -> draft dir tied to an engine")
@@ -143,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_llm_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (fewer when the model "
+                   "ends its answer)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, ids, stats")
     g.set_defaults(func=cmd_generate)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .engine.executor import Executor
-from .engine.loader import load_target, pick_device
+from .engine.loader import load_target, one_line, pick_device, read_config
 from .models.registry import MODELS, UserError, cache_dir
 from .spec.tree import TreeConfig
 from .vocab.strategies import METHODS, make_vocab
@@ -39,6 +39,29 @@ def resolve_engine(engine: str | Path) -> Path:
     raise UserError(f"engine {engine} not found: give an engine directory or a model key ({', '.join(MODELS)})")
 
 
+def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3, static_k: int = 32768,
+                depth: int = 5, top_k: int = 10, total_tokens: int = 60, max_seq_len: int | None = None) -> None:
+    """Refuse knobs the engine cannot run, in one line, before they fail deep inside a kernel (a window of 0 ids
+    divides by zero, a top-k over fewer candidates than k is out of range, a negative length is a negative size)."""
+    def need(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
+        if value < lo or (hi is not None and value > hi):
+            bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+            raise UserError(f"{name} must be {bounds}{f' ({why})' if why else ''}, got {value}")
+
+    vocab = f"the vocabulary has {vocab_size} ids"
+    need("top_k", top_k, 1, vocab_size, vocab)
+    need("depth", depth, 1)
+    pool = top_k + depth * top_k * top_k  # the draft tokens an EAGLE-2 tree of this top_k and depth chooses from
+    need("total_tokens", total_tokens, 2, pool + 1, f"the root plus up to {pool} draft tokens at top_k {top_k}, "
+         f"depth {depth}")
+    need("w_max", w_max, top_k, vocab_size, f"the window holds at least top_k ids; {vocab}")
+    need("static_k", static_k, top_k, vocab_size, f"at least top_k ids; {vocab}")
+    need("k_pre", k_pre, 0, vocab_size, f"0: the window starts from the prompt's own tokens; {vocab}")
+    need("k_ver", k_ver, 0, vocab_size, f"0: rounds add only the draft tree's tokens; {vocab}")
+    if max_seq_len is not None:
+        need("max_seq_len", max_seq_len, 1)
+
+
 @dataclass
 class Result:
     text: str
@@ -59,6 +82,8 @@ class LLM:
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
+        check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, depth, top_k,
+                    total_tokens, max_seq_len)
         self.method = method
         self.device, dtype = pick_device(device, dtype)
         self.target, self.tokenizer = load_target(self.engine_dir, self.device, dtype, max_seq_len)
@@ -68,12 +93,20 @@ class LLM:
             draft_dir = Path(draft) if draft else self.engine_dir / DRAFT_SUBDIR
             if not draft_dir.exists():
                 raise UserError(f"method {method} needs a draft head: pass --draft DIR (none at {draft_dir})")
-            draft_model = load_draft(draft_dir, self.target, dtype, self.device)
+            try:
+                draft_model = load_draft(draft_dir, self.target, dtype, self.device)
+            except UserError:
+                raise
+            except Exception as e:  # its files cut short or of another shape
+                raise UserError(f"draft {draft_dir} is damaged ({one_line(e)}): rebuild or retrain it") from None
             vocab = make_vocab(method, self.target.head_weight, self.target.cfg.eos_ids, w_max=w_max,
                                ranked_ids=self._ranked_ids() if method == "frspec" else None, static_k=static_k)
         tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
         self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,
                                  cuda_graphs=cuda_graphs and self.device.type == "cuda")
+        if self.executor.max_prompt < 1:
+            raise UserError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt: each step reserves "
+                            f"{self.executor.reserve} cache slots (raise max_seq_len or shrink the tree)")
         self._lock = threading.Lock()  # one request at a time: the KV caches and the window are static
 
     def _ranked_ids(self) -> torch.Tensor | None:

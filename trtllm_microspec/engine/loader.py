@@ -1,19 +1,25 @@
 """Load engine directories (target and EAGLE draft) onto a device."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from ..models.model import ModelConfig, Transformer
-from ..models.registry import UserError
+from ..models.registry import MODELS, UserError, cache_dir
 from ..models.tokenizer import Tokenizer
+
+ENGINE_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json")  # besides config.json
 
 
 def pick_device(device: str | None, dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
     """CUDA (bf16 unless asked otherwise) when available or asked for, else CPU in fp32."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but no CUDA device is available")
     if dtype not in (None, "bfloat16", "float16", "float32"):
@@ -25,7 +31,32 @@ def read_config(engine_dir: str | Path, kind: str = "engine") -> ModelConfig:
     d = Path(engine_dir)
     if not (d / "config.json").exists():
         raise UserError(f"{d} is not an {kind} directory (no config.json); build one with `microspec build`")
-    return ModelConfig.load(d / "config.json")
+    try:
+        return ModelConfig.load(d / "config.json")
+    except (ValueError, TypeError) as e:  # not JSON, or not a model configuration
+        raise damaged(d, f"config.json: {e}") from None
+
+
+def one_line(text: str) -> str:
+    """A message as one short line (torch's and safetensors' span several lines)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= 200 else text[:200] + " ..."
+
+
+def rebuild_command(d: Path) -> str:
+    """How to rebuild engine `d`: a cached model key's engine by its key, any other from the source it recorded."""
+    key = next((k for k in MODELS if d.resolve() == (cache_dir() / "engines" / k).resolve()), None)
+    if key:
+        return f"microspec build {key} --force"
+    try:
+        source = json.loads((d / "source.json").read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        source = "SOURCE"
+    return f"microspec build {source} --out {d} --force"
+
+
+def damaged(d: Path, why: str) -> UserError:
+    return UserError(f"{d} is damaged ({one_line(why)}): rebuild it with `{rebuild_command(d)}`")
 
 
 def load_target(engine_dir: str | Path, device: torch.device, dtype: torch.dtype,
@@ -34,7 +65,18 @@ def load_target(engine_dir: str | Path, device: torch.device, dtype: torch.dtype
     cfg = read_config(d)
     if max_seq_len:
         cfg.max_seq_len = min(cfg.max_seq_len, max_seq_len)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(load_file(d / "model.safetensors"), strict=True, assign=True)
-    return model.setup(dtype, device).eval(), Tokenizer(d)
+    missing = [f for f in ENGINE_FILES if not (d / f).exists()]
+    if missing:
+        raise damaged(d, f"missing {', '.join(missing)}")
+    # any failure reading the files (cut short, another model's weights, a config edited by hand) means: rebuild
+    try:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model.load_state_dict(load_file(d / "model.safetensors"), strict=True, assign=True)
+    except Exception as e:
+        raise damaged(d, f"weights: {e}") from None
+    try:
+        tokenizer = Tokenizer(d)
+    except Exception as e:
+        raise damaged(d, f"tokenizer: {e}") from None
+    return model.setup(dtype, device).eval(), tokenizer

@@ -125,6 +125,8 @@ def _load_hf_dir(path: Path):
 def build_engine(source: str, out_dir: str | Path, dtype: str = "bfloat16", max_seq_len: int | None = None) -> Path:
     """Build an engine from a model key, a .gguf file, or a HF checkpoint directory."""
     out = Path(out_dir)
+    if max_seq_len is not None and max_seq_len < 1:
+        raise UserError(f"max_seq_len must be at least 1, got {max_seq_len}")
     if source in MODELS:
         src = fetch(source)
     else:
@@ -141,6 +143,7 @@ def build_engine(source: str, out_dir: str | Path, dtype: str = "bfloat16", max_
         weights.pop("lm_head.weight", None)
     _check_weights(cfg, weights)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").unlink(missing_ok=True)  # a rebuild cut short must not look finished
     save_file(weights, out / "model.safetensors")
     tok.backend_tokenizer.save(str(out / "tokenizer.json"))
     template = tok.chat_template if isinstance(tok.chat_template, str) else None

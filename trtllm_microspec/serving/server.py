@@ -75,6 +75,11 @@ def model_params(a: argparse.Namespace) -> dict[str, str]:
             "cuda_graphs": str(not a.eager).lower(), "max_queue_size": str(a.max_queue_size)}
 
 
+def check_queue_size(n: int) -> None:
+    if n < 1:
+        raise UserError(f"max_queue_size must be at least 1, got {n}")
+
+
 def model_config(params: dict[str, str], kind: str = "cpu", name: str = MODEL_NAME) -> str:
     lines = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
     return CONFIG.format(name=name, kind=f"KIND_{kind.upper()}", parameters=lines)
@@ -222,9 +227,14 @@ def cmd_serve(a: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="microspec-repo-") as tmp:
         repo = Path(a.model_repository) if a.model_repository else None
         if repo is None:
-            from ..llm import DRAFT_SUBDIR, resolve_engine
+            from ..engine.loader import read_config
+            from ..llm import DRAFT_SUBDIR, check_knobs, resolve_engine
 
             a.engine = resolve_engine(a.engine).resolve()  # builds a model key's engine here, not in the stub
+            # bad knobs fail here in one line, not later as a model that will not load inside the server
+            check_knobs(read_config(a.engine).vocab_size, a.w_max, a.k_pre, a.k_ver, a.static_k, a.depth, a.top_k,
+                        a.total_tokens, a.max_seq_len)
+            check_queue_size(a.max_queue_size)
             draft = Path(a.draft) if a.draft else a.engine / DRAFT_SUBDIR
             if a.method != "ar" and not draft.exists():
                 raise UserError(f"method {a.method} needs a draft head: pass --draft DIR (none at {draft})")
@@ -240,7 +250,8 @@ def cmd_serve(a: argparse.Namespace) -> None:
             server.wait_ready(timeout=a.ready_timeout)
             print(f"{MODEL_NAME} ready in {time.monotonic() - t0:.1f} s\n"
                   f"  gRPC     {server.grpc_url}  (streaming: microspec client --url {server.grpc_url})\n"
-                  f"  HTTP     http://{a.host}:{a.http_port}/v2/models/{MODEL_NAME}\n"
+                  f"  HTTP     POST http://{a.host}:{a.http_port}/v2/models/{MODEL_NAME}/generate (JSON) and "
+                  f".../generate_stream (server-sent events)\n"
                   f"  metrics  http://{a.host}:{a.metrics_port}/metrics\n"
                   "Ctrl-C to stop.", flush=True)
             try:
@@ -254,7 +265,8 @@ def cmd_serve(a: argparse.Namespace) -> None:
 def register(sub) -> None:
     from ..cli import add_llm_args
 
-    p = sub.add_parser("serve", help="serve MicroSpec through a real Triton Inference Server (gRPC streaming)")
+    p = sub.add_parser("serve", help="serve MicroSpec through a real Triton Inference Server (gRPC streaming, HTTP "
+                       "generate)")
     add_llm_args(p)
     p.set_defaults(method="microspec", func=cmd_serve)
     p.add_argument("--model-repository", help="serve this repository as it is (e.g. triton_repo) instead of "

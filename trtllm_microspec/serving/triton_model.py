@@ -19,7 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..llm import LLM
 from ..models.registry import UserError
-from .server import STOP_FILE_ENV
+from .server import STOP_FILE_ENV, check_queue_size
 
 
 @dataclass
@@ -57,6 +57,18 @@ def _decode(b: bytes, name: str) -> str:
         raise UserError(f"{name} is not valid UTF-8: {e}") from None
 
 
+def _int_params(p: dict[str, str], names: tuple[str, ...]) -> dict[str, int]:
+    """The config.pbtxt parameters `names` as integers; left out or empty ones are left to the defaults."""
+    out = {}
+    for k in names:
+        if p.get(k):
+            try:
+                out[k] = int(p[k])
+            except ValueError:
+                raise UserError(f"config.pbtxt parameter {k} must be an integer, got {p[k]!r}") from None
+    return out
+
+
 def _response(text: str, stats: dict | None = None):
     out = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
     if stats is not None:
@@ -83,14 +95,16 @@ class TritonPythonModel:
         device = p.get("device") or None
         if args["model_instance_kind"] == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
-        ints = {k: int(p[k]) for k in ("w_max", "k_pre", "k_ver", "static_k", "depth", "top_k", "total_tokens",
-                                       "max_seq_len") if p.get(k)}  # left out or empty: LLM's default
+        ints = _int_params(p, ("w_max", "k_pre", "k_ver", "static_k", "depth", "top_k", "total_tokens", "max_seq_len",
+                               "max_queue_size"))
+        max_queue_size = ints.pop("max_queue_size", 64)
+        check_queue_size(max_queue_size)  # LLM checks the others
         self.llm = LLM(p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
                        device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false", **ints)
         # one short generation before the model reports ready: kernel loading and the CUDA-graph capture of the first
         # KV bucket are paid here, not by the first client (on the H200 its first token took 0.79 s without this)
         self.llm.generate("Hello", 16)
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=int(p.get("max_queue_size", 64)))
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue_size)
         # Triton calls finalize only once no request is in flight, so `microspec serve` announces a shutdown with
         # this file: running and queued requests then end at once with an error instead of holding the server up
         self.stop_file = os.environ.get(STOP_FILE_ENV)
