@@ -2,11 +2,14 @@
 streaming and not, under concurrency; bad requests get clear errors; cancellation and shutdown never wedge it."""
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -141,6 +144,61 @@ def test_stop_words_and_end_id(server, offline):
     ids = offline(PROMPTS[0]).token_ids
     got = client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, end_id=ids[3])
     assert got.text == offline.llm.tokenizer.decode(ids[: ids.index(ids[3])])
+
+
+@pytest.mark.parametrize("param, value, message", [
+    ("w_max", "0", "w_max must be between 8 and 49152"),
+    ("depth", "two", "config.pbtxt parameter depth must be an integer, got 'two'"),
+    ("max_queue_size", "0", "max_queue_size must be at least 1, got 0"),
+])
+def test_bad_config_parameter_is_a_clear_error(args, tmp_path, param, value, message):
+    """A hand-written repository (`serve --model-repository`) is checked by the model itself as it loads."""
+    repo = write_repository(tmp_path, {**model_params(args), param: value})
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as s:
+        with pytest.raises(UserError) as e:
+            s.wait_ready(timeout=300)
+    assert "before microspec was ready" in str(e.value) and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def http_generate(server, body: dict, stream: bool = False) -> list[dict]:
+    """POST to Triton's generate extension with a plain HTTP client: the JSON reply, or the server-sent events of
+    generate_stream read as they arrive, as a list of JSON objects."""
+    url = f"http://{server.host}:{server.http_port}/v2/models/microspec/generate{'_stream' if stream else ''}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        if not stream:
+            return [json.loads(r.read())]
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        return [json.loads(line[len(b"data: "):]) for line in r if line.startswith(b"data: ")]
+
+
+def test_http_generate(server, offline):
+    want = offline(PROMPTS[0])
+    (got,) = http_generate(server, {"text_input": PROMPTS[0], "max_tokens": MAX_TOKENS})
+    assert got["text_output"] == want.text
+    assert got["num_output_tokens"] == want.num_new_tokens
+    assert got["acceptance_length"] == pytest.approx(want.stats["acceptance_length"], rel=1e-5)
+
+
+def test_http_generate_stream(server, offline):
+    want = offline(PROMPTS[1])
+    events = http_generate(server, {"text_input": PROMPTS[1], "max_tokens": MAX_TOKENS, "stream": True}, stream=True)
+    assert len(events) > 2  # pieces as they were generated, then the statistics
+    assert "".join(e["text_output"] for e in events) == want.text
+    assert events[-1]["num_output_tokens"] == want.num_new_tokens and events[-1]["mean_active_vocab"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_bad_request_gets_a_clear_error(server, offline, stream):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http_generate(server, {"text_input": "Hi", "max_tokens": 0}, stream)
+    assert e.value.code == 400
+    error = json.loads(e.value.read().decode().removeprefix("data: "))["error"]  # generate_stream: as one event
+    assert error.startswith("max_tokens must be between 1 and") and "\n" not in error
+    (got,) = http_generate(server, {"text_input": PROMPTS[0], "max_tokens": MAX_TOKENS})
+    assert got["text_output"] == offline(PROMPTS[0]).text  # and it keeps serving
 
 
 def raw_inputs(**tensors) -> list:
