@@ -1,23 +1,38 @@
 """`microspec train-draft` on the CPU: a few steps on a handful of real ShareGPT conversations with the real
-SmolLM2 engine lower the held-out loss, the head loads and generates, and an interrupted run resumed from its
-checkpoint ends with the same weights as an uninterrupted one with the same seed."""
+SmolLM2 engine lower the held-out loss, the unrolled (training-time test) steps see exactly what a draft-tree
+node sees at inference, the head loads and generates, --time-limit fits the schedule to the clock, an
+interrupted run resumed from its checkpoint ends with the same weights as an uninterrupted one, and --eval
+prints acceptance lengths."""
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from trtllm_microspec import LLM
+from trtllm_microspec.cli import main
 from trtllm_microspec.data import sharegpt_conversations
+from trtllm_microspec.engine.loader import load_target
+from trtllm_microspec.models.model import Span
 from trtllm_microspec.models.registry import UserError
-from trtllm_microspec.train.train_draft import CHECKPOINT, train
+from trtllm_microspec.spec.eagle import load_draft
+from trtllm_microspec.spec.tree import causal
+from trtllm_microspec.train import train_draft
+from trtllm_microspec.train.train_draft import CHECKPOINT, EVAL_DEPTHS, pack, target_features, tokenize, train, unroll
 
-KW = dict(max_len=64, steps=4, lr=1e-3, batch_tokens=64, seed=3, device="cpu", save_every=2, heldout=0.25)
+ROW = 160  # tokens per packed row: two or three of the short conversations below share one
+KW = dict(max_len=ROW, steps=4, lr=1e-3, batch_tokens=2 * ROW, ttt_steps=2, seed=3, device="cpu", save_every=2,
+          heldout=0.25)
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def convs():
-    return sharegpt_conversations(6)
+    """Real ShareGPT conversations cut to their first exchange, 100 characters a message, so rows hold several."""
+    return [[{**m, "content": m["content"][:100]} for m in c[:2]] for c in sharegpt_conversations(8)]
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +41,53 @@ def trained(engine_dir, convs, tmp_path_factory):
     return out, train(engine_dir, out, data=convs, **KW)
 
 
-def test_sharegpt_conversations(convs):
+def test_sharegpt_conversations():
+    convs = sharegpt_conversations(6)
     assert len(convs) == 6
     for c in convs:
         assert c[0]["role"] == "user" and all(m["role"] == ("user", "assistant")[i % 2] for i, m in enumerate(c))
     assert sharegpt_conversations(3) == convs[:3]  # deterministic order
 
 
+def test_pack_rows():
+    seqs = [(np.arange(3), np.array([0, 1, 1], bool)), (np.arange(4), np.array([0, 0, 1, 1], bool)),
+            (np.arange(5), np.ones(5, bool))]
+    a, b = pack(seqs, 8, CPU)  # 3 + 4 fit a row of 8; the third starts the next
+    assert a.tokens.tolist() == [0, 1, 2, 0, 1, 2, 3] and a.positions.tolist() == [0, 1, 2, 0, 1, 2, 3]
+    assert torch.equal(a.mask[4], torch.tensor([False] * 3 + [True, True] + [False] * 2))  # only its own past
+    assert a.valid(0).tolist() == [True, True, False, False, True, True, False]  # input token i+1: own, assistant
+    assert a.valid(1).tolist() == [True, False, False, True, True, False, False]
+    assert a.n == 4 and b.n == 4
+
+
 def test_heldout_loss_goes_down(trained):
     _, r = trained
     assert r["steps"] == 4 and r["heldout_positions"] > 0
     assert r["heldout_loss"] < r["heldout_loss_start"] - 0.1
+    assert len(r["heldout_acc"]) == EVAL_DEPTHS and all(0.0 <= a <= 1.0 for a in r["heldout_acc"])
+
+
+def test_unrolled_step_sees_what_a_tree_node_sees(engine_dir, convs, trained):
+    """Step 1 of row i (training) == the draft at inference: the committed context of i's own conversation, then
+    one expansion step at position i+1 fed (token i+2, the draft's own hidden of i)."""
+    out, _ = trained
+    target, tok = load_target(engine_dir, CPU, torch.float32, max_seq_len=ROW)
+    draft = load_draft(out, target, torch.float32, CPU)
+    p = pack(tokenize(tok, convs[:3], ROW, "test"), ROW, CPU)[0]
+    assert int(p.doc.max()) >= 1  # the row holds more than one conversation
+    target_features(target, [p], "test")
+    with torch.no_grad():
+        h0, h1 = unroll(draft, p, 2, None)
+        a = int((p.doc == 1).nonzero()[0])  # the second conversation's first row
+        i = a + 6
+        m = i - a + 1
+        zero = torch.zeros((), dtype=torch.long)
+        h = draft.hidden(p.tokens[a + 1:i + 2], p.feats[a:i + 1], p.positions[a:i + 1], torch.arange(m),
+                         Span(zero, causal(m, CPU), m))
+        nxt = draft.hidden(p.tokens[i + 2:i + 3], h[-1:], p.positions[i:i + 1] + 1, torch.tensor([m]),
+                           Span(zero + m, torch.ones(1, 1, dtype=torch.bool), m + 1))
+    torch.testing.assert_close(h, h0[a:i + 1], atol=1e-4, rtol=1e-4)  # blind to the first conversation
+    torch.testing.assert_close(nxt[0], h1[i], atol=1e-4, rtol=1e-4)
 
 
 def test_saved_head_generates(engine_dir, trained):
@@ -44,6 +95,17 @@ def test_saved_head_generates(engine_dir, trained):
     assert {k.split(".")[0] for k in load_file(out / "model.safetensors")} == {"fc", "layers"}
     r = LLM(engine_dir, method="eagle", draft=out, max_seq_len=256).generate("Hello!", max_new_tokens=8, chat=True)
     assert r.num_new_tokens > 0 and r.stats["rounds"] > 0  # speculative rounds ran with the trained head
+
+
+def test_time_limit_fits_the_schedule_then_stops(engine_dir, convs, tmp_path, monkeypatch):
+    """A fake clock: 1 s a reading up to the first training steps, then 3 s. The plan is fitted to the 1 s steps
+    it measured (start, 3 steps, 5 s left -> 8 steps); the slower steps then meet the hard limit at step 5."""
+    readings = iter([1, 2, 3, 4] + list(range(7, 100, 3)))
+    monkeypatch.setattr(train_draft, "perf_counter", lambda: next(readings))
+    monkeypatch.setattr(train_draft, "PROBE_STEPS", 2)
+    r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": 10_000}, time_limit=8)
+    assert (r["steps"], r["planned_steps"]) == (5, 8)
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 5  # the stop saved its checkpoint
 
 
 def test_resume_matches_uninterrupted_run(engine_dir, convs, trained, tmp_path, monkeypatch):
@@ -66,3 +128,13 @@ def test_resume_matches_uninterrupted_run(engine_dir, convs, trained, tmp_path, 
     assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 4 == r["steps"]
     a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train_draft, "EVAL_CATEGORIES", ("qa",))  # one short prompt: the CPU is slow
+    main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "6",
+          "--max-len", "64", "--steps", "1", "--batch-tokens", "64", "--ttt-steps", "1", "--device", "cpu",
+          "--eval", "--eval-tokens", "8"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["steps"] == 1 and len(r["heldout_acc"]) == EVAL_DEPTHS
+    assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())

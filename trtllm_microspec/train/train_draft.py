@@ -1,94 +1,130 @@
 """`microspec train-draft`: train an EAGLE-1/2 draft head for an engine on ShareGPT conversations.
 
-Recipe (EAGLE's): the draft is fc + one decoder layer; the target's embedding and LM head are frozen and shared.
-Input at position i = (embedding of token i+1, target feature i) -> predicted feature i+1, where features are
-the target's final-normed hidden states. Loss = smooth-L1(predicted, target feature i+1)
-+ 0.1 x cross-entropy of head(predicted) against the soft target distribution softmax(head(feature i+1)),
-over the positions whose input token i+1 belongs to an assistant turn (that is where the draft drafts at
-inference). The input features get uniform noise, as EAGLE's training does, so the draft tolerates its own
-imprecise features at deeper tree levels.
+Recipe: the draft is fc + one decoder layer; the target's embedding and LM head are frozen and shared. Input at
+position i = (embedding of token i+1, feature i) -> predicted feature i+1, where features are the target's
+final-normed hidden states. Loss = smooth-L1(predicted, target feature i+1) + 0.1 x cross-entropy of
+head(predicted) against the soft target distribution softmax(head(target feature i+1)), over the positions whose
+input token i+1 belongs to an assistant turn (that is where the draft drafts at inference). The input features
+get uniform noise, as EAGLE's training does.
 
-Data: conversations rendered with the target's chat template (the assistant turns are ChatGPT's, as in EAGLE),
-truncated to --max-len tokens, packed several to a sequence of --max-len tokens with a block-diagonal causal
-mask and per-conversation positions (the model code runs one sequence per forward). The target runs once per
-packed sequence; its features are cached on the device, and the target distribution is recomputed from them
-through the head at each step (V floats per token would not fit).
-The last --heldout fraction of the conversations is held out; its loss and top-1 accuracy (draft argmax ==
-target argmax for the next token) are reported before and after training. A checkpoint (fp32 weights +
-optimizer) is written to <out>/checkpoint.pt every --save-every steps; --resume continues from it, and the data
-order depends only on --seed and the step, so a resumed run follows the uninterrupted one. --time-limit
-cuts training short (the LR schedule stays planned for the full run; rerun with --resume to finish it).
+Training-time test (HASS / EAGLE-3; --ttt-steps, 1 = EAGLE's single-step recipe): the draft is unrolled as the tree
+drafts it. Step s of row i sits at position i+s, reads token i+s+1 and the draft's own output of step s-1 (step 0:
+the target's feature i), and attends to what a tree node at depth s sees: the committed rows <= i of step 0
+(causal within the conversation) and its own path, the steps 1..s of row i. It predicts feature i+s+1 and the
+target's distribution there. Step s's loss is weighted 0.8^s (EAGLE-3): a node at depth s only counts when its
+ancestors were accepted. Held-out accuracy is reported at depths 1..5 (the unrolled steps, top-1 draft argmax ==
+target argmax) whatever --ttt-steps is, so runs with different settings compare.
+
+Data: every ShareGPT conversation (or the first --conversations) rendered with the target's chat template (the
+assistant turns are ChatGPT's, as in EAGLE), tokenised in parallel (tokenizers' encode_batch), cut at --max-len
+tokens and packed whole into rows of <= --max-len tokens (no padding): attention is block-diagonal causal within a
+row and positions restart at 0 for each conversation. The target runs once per row; its features are cached on
+the device (bf16 on CUDA) and the target distribution is recomputed from them through the head (V floats per
+token would not fit). The last --heldout fraction of the conversations is held out.
+
+Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs; with --time-limit the plan
+is cut, after a few measured steps, to the steps that fit before the limit, so the cosine ends when time does
+(the clock counts the whole command, caching included; a hard stop still applies). A checkpoint (fp32 weights +
+optimizer + plan) is written to <out>/checkpoint.pt every --save-every steps; --resume continues from it, and the
+data order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
+--eval then measures the head's acceptance length on one question of each Spec-Bench category and HumanEval.
 """
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
-import time
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from time import perf_counter
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..models.model import KVCache, Transformer
+from plugins import layers
+
+from ..models.model import KVCache, Span, Transformer
 from ..models.registry import UserError
 from ..models.tokenizer import Tokenizer
 from ..spec.eagle import EagleDraft, draft_config, save_draft
 
 CE_WEIGHT = 0.1  # EAGLE's weight of the token loss against the feature loss
 NOISE = 0.1  # EAGLE's uniform noise on the input features: U(-NOISE, NOISE)
+STEP_DECAY = 0.8  # EAGLE-3's loss weight per unrolled step
+EVAL_DEPTHS = 5  # the default tree's depth: held-out accuracy at depths 1..5
+CE_CHUNK = 1 << 26  # logits per chunk of the token loss: a [rows, V] fp32 tensor is 256 MB at most
+TOKENIZE_CHUNK = 1024  # conversations per encode_batch call (one progress update each)
+PROBE_STEPS = 10  # steps timed (after the first) to plan the schedule under --time-limit
+EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
+EVAL_METHODS = ("eagle", "microspec")
 CHECKPOINT = "checkpoint.pt"
 
 
 @dataclass
 class Pack:
-    """One packed training sequence and its draft pairs."""
+    """One packed row of whole conversations."""
     tokens: torch.Tensor  # [T] target input tokens
     positions: torch.Tensor  # [T] restart at 0 for each conversation
-    doc: torch.Tensor  # [T] which conversation of the pack each token belongs to
-    next_tok: torch.Tensor  # [T] token i+1 (the draft's input token at position i)
-    weight: torch.Tensor  # [T] bool: position i has a loss (i+1 in the same conversation, in an assistant turn)
-    n: int  # weight.sum()
+    doc: torch.Tensor  # [T] which conversation of the row each token belongs to
+    assistant: torch.Tensor  # [T] bool: the token is in an assistant turn
+    n: int  # valid(0).sum(): the row's positions with a depth-1 loss
     feats: torch.Tensor | None = None  # [T, d] target features
 
     @property
     def mask(self) -> torch.Tensor:
-        """[T, T] bool: causal within each conversation (built on use: T^2 per pack would not fit cached)."""
+        """[T, T] bool: causal within each conversation (built on use: T^2 per row would not fit cached)."""
         return (self.doc[:, None] == self.doc[None, :]).tril()
 
+    def valid(self, s: int) -> torch.Tensor:
+        """[T] bool: row i has a loss at unrolled step s (its input token i+s+1 is in i's conversation and in an
+        assistant turn; rows whose inputs cross into the next conversation still run, unread by valid rows)."""
+        T = len(self.tokens)
+        ahead = s + 1
+        ok = torch.arange(T, device=self.doc.device) < T - ahead
+        return ok & (self.doc.roll(-ahead) == self.doc) & self.assistant.roll(-ahead)
 
-def tokenize(tok: Tokenizer, conversations: list[list[dict]], max_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
+
+def tokenize(tok: Tokenizer, conversations: list[list[dict]], max_len: int, desc: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """Render each conversation with the chat template -> (token ids, assistant-token mask), cut at max_len.
     A token is an assistant token if it starts inside an assistant message's content, or is the first token
     after it (the end-of-turn the draft must also predict). apply_chat appends a generation prompt; its tokens
-    are outside every assistant span, so they carry no loss."""
-    texts = [tok.apply_chat(c) for c in conversations]
+    are outside every assistant span, so they carry no loss. encode_batch runs on all cores."""
     tok.fast.enable_truncation(max_len)  # this Tokenizer instance is ours; avoids offsets of 20k-token chats
     out = []
-    for conv, text, enc in zip(conversations, texts, tok.fast.encode_batch(texts, add_special_tokens=False)):
-        ids = np.asarray(enc.ids, dtype=np.int64)
-        starts = np.asarray([s for s, _ in enc.offsets])
-        assistant = np.zeros(len(ids), dtype=bool)
-        cursor = 0
-        for m in conv:
-            body = m["content"].strip()  # some templates trim the content
-            at = text.find(body, cursor) if body else -1
-            if at < 0:
-                continue
-            cursor = at + len(body)
-            if m["role"] == "assistant":
-                a, b = np.searchsorted(starts, [at, cursor])
-                assistant[a:b + 1] = True
-        if len(ids) > 1 and assistant[1:].any():
-            out.append((ids, assistant))
+    bar = tqdm(total=len(conversations), desc=f"tokenise ({desc})", unit="conv", dynamic_ncols=True)
+    tokens = 0
+    for at in range(0, len(conversations), TOKENIZE_CHUNK):
+        convs = conversations[at:at + TOKENIZE_CHUNK]
+        texts = [tok.apply_chat(c) for c in convs]
+        for conv, text, enc in zip(convs, texts, tok.fast.encode_batch(texts, add_special_tokens=False)):
+            ids = np.asarray(enc.ids, dtype=np.int64)
+            starts = np.asarray([s for s, _ in enc.offsets])
+            assistant = np.zeros(len(ids), dtype=bool)
+            cursor = 0
+            for m in conv:
+                body = m["content"].strip()  # some templates trim the content
+                found = text.find(body, cursor) if body else -1
+                if found < 0:
+                    continue
+                cursor = found + len(body)
+                if m["role"] == "assistant":
+                    a, b = np.searchsorted(starts, [found, cursor])
+                    assistant[a:b + 1] = True
+            if len(ids) > 1 and assistant[1:].any():
+                out.append((ids, assistant))
+                tokens += len(ids)
+        bar.update(len(convs))
+        bar.set_postfix(tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.3g}")
+    bar.close()
     return out
 
 
 def pack(seqs: list[tuple[np.ndarray, np.ndarray]], max_len: int, device) -> list[Pack]:
-    """Greedy in-order packing of whole (already truncated) conversations into sequences of <= max_len tokens."""
+    """Greedy in-order packing of whole (already truncated) conversations into rows of <= max_len tokens."""
     groups, cur, n = [], [], 0
     for s in seqs:
         if cur and n + len(s[0]) > max_len:
@@ -100,43 +136,107 @@ def pack(seqs: list[tuple[np.ndarray, np.ndarray]], max_len: int, device) -> lis
         groups.append(cur)
     packs = []
     for g in groups:
-        tokens = torch.from_numpy(np.concatenate([ids for ids, _ in g]))
-        assistant = torch.from_numpy(np.concatenate([a for _, a in g]))
         doc = torch.cat([torch.full((len(ids),), j) for j, (ids, _) in enumerate(g)])
-        positions = torch.cat([torch.arange(len(ids)) for ids, _ in g])
-        same_next = torch.zeros(len(tokens), dtype=torch.bool)
-        same_next[:-1] = doc[1:] == doc[:-1]
-        weight = same_next & assistant.roll(-1)
-        packs.append(Pack(tokens.to(device), positions.to(device), doc.to(device), tokens.roll(-1).to(device),
-                          weight.to(device), int(weight.sum())))
+        p = Pack(torch.from_numpy(np.concatenate([ids for ids, _ in g])).to(device),
+                 torch.cat([torch.arange(len(ids)) for ids, _ in g]).to(device), doc.to(device),
+                 torch.from_numpy(np.concatenate([a for _, a in g])).to(device), 0)
+        p.n = int(p.valid(0).sum())
+        packs.append(p)
     return packs
+
+
+def _zero(device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.long, device=device)  # Span's committed length: nothing committed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # progress rates are launch rates until the queue is drained
+        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()  # not inference_mode: the cached features are later inputs of autograd graphs
 def target_features(target: Transformer, packs: list[Pack], desc: str) -> None:
-    for p in tqdm(packs, desc=desc, unit="seq", dynamic_ncols=True):
-        slots = torch.arange(len(p.tokens), device=p.tokens.device)
-        p.feats = target(p.tokens, p.positions, slots, p.mask)
+    bar = tqdm(total=sum(len(p.tokens) for p in packs), desc=f"target features ({desc})", unit="tok",
+               unit_scale=True, dynamic_ncols=True)
+    for p in packs:
+        T = len(p.tokens)
+        slots = torch.arange(T, device=p.tokens.device)
+        p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
+        bar.update(T)
+    _sync(packs[0].tokens.device)
+    bar.close()
 
 
-def pack_loss(draft: EagleDraft, target: Transformer, p: Pack, noise: torch.Generator | None):
-    """Summed (feature loss, token loss, correct top-1) over the weighted positions of one packed sequence."""
-    feats = p.feats
+def unroll(draft: EagleDraft, p: Pack, steps: int, noise: torch.Generator | None):
+    """Yields the draft hidden [T, d] of each unrolled step (see the module docstring)."""
+    T, dev = len(p.tokens), p.tokens.device
+    x = p.feats
     if noise is not None:
-        feats = feats + (torch.rand(feats.shape, generator=noise, device=feats.device) * 2 - 1).to(feats.dtype) * NOISE
-    T = len(p.tokens)
-    cache = KVCache(replace(draft.cfg, max_seq_len=T), 1, _act_dtype(feats), feats.device)  # fresh: autograd
-    slots = torch.arange(T, device=feats.device)
-    h = draft.hidden(p.next_tok, feats, p.positions, slots, p.mask, cache=cache)
-    sel = p.weight.nonzero().squeeze(-1)
-    pred, want = h[sel].float(), p.feats[sel + 1].float()
-    vloss = F.smooth_l1_loss(pred, want, reduction="none").mean(-1).sum()
-    with torch.no_grad():
-        target_logits = target.logits(p.feats[sel + 1]).float()
-    logq = F.log_softmax(target.logits(h[sel]).float(), dim=-1)
-    ploss = -(F.softmax(target_logits, dim=-1) * logq).sum()
-    correct = (logq.argmax(-1) == target_logits.argmax(-1)).sum()
-    return vloss, ploss, correct
+        x = x + (torch.rand(x.shape, generator=noise, device=dev) * 2 - 1).to(x.dtype) * NOISE
+    rows = torch.arange(T, device=dev)
+    new, eye = p.mask, torch.eye(T, dtype=torch.bool, device=dev)
+    cache = None
+    for s in range(steps):
+        # a fresh, longer cache per step: writing into the one whose slices earlier steps' attention saved for
+        # backward would invalidate them. Slots: step j's rows at j*T .. j*T+T-1.
+        grown = KVCache(replace(draft.cfg, max_seq_len=(s + 1) * T), 1, _act_dtype(x), dev)
+        if cache is not None:
+            grown.k[:, :, :s * T] = cache.k
+            grown.v[:, :, :s * T] = cache.v
+            new = torch.cat([new, eye], dim=1)  # + this row's own slot of step s
+        cache = grown
+        x = draft.hidden(p.tokens.roll(-(s + 1)), x, p.positions + s, s * T + rows,
+                         Span(_zero(dev), new, (s + 1) * T), cache=cache)
+        yield x
+
+
+class SoftCE(torch.autograd.Function):
+    """Sum over rows of the cross-entropy of softmax(h @ W^T) against the distributions `want`, and the number of
+    rows whose argmaxes agree. The gradient is computed in the forward, a chunk of rows at a time, so no [rows, V]
+    logits are kept for backward (a 16k-token batch at V = 152k would hold 10 GB of them)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, want):
+        rows = max(1, CE_CHUNK // weight.shape[0])
+        loss = torch.zeros((), device=h.device)
+        correct = torch.zeros((), dtype=torch.long, device=h.device)
+        grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        for i in range(0, h.shape[0], rows):
+            logq = F.linear(h[i:i + rows].to(weight.dtype), weight).float().log_softmax(-1)
+            p = want[i:i + rows]
+            loss += -(p * logq).sum()
+            correct += (logq.argmax(-1) == p.argmax(-1)).sum()
+            if grad is not None:  # d/dlogits = softmax * sum(p) - p
+                dz = logq.exp() * p.sum(-1, keepdim=True) - p
+                grad[i:i + rows] = (dz.to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, g, _):
+        (grad,) = ctx.saved_tensors
+        return g * grad, None, None
+
+
+@torch.no_grad()
+def target_probs(target: Transformer, feats: torch.Tensor) -> torch.Tensor:
+    """[T, V] fp32 softmax(head(feats)), chunked like SoftCE."""
+    rows = max(1, CE_CHUNK // target.cfg.vocab_size)
+    return torch.cat([target.logits(feats[i:i + rows]).float().softmax(-1) for i in range(0, len(feats), rows)])
+
+
+def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None):
+    """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows."""
+    want = target_probs(target, p.feats)
+    out = []
+    for s, h in enumerate(unroll(draft, p, steps, noise)):
+        sel = p.valid(s).nonzero().squeeze(-1)
+        nxt = sel + s + 1
+        vloss = F.smooth_l1_loss(h[sel].float(), p.feats[nxt].float(), reduction="none").mean(-1).sum()
+        ploss, correct = SoftCE.apply(h[sel], target.head_weight, want[nxt])
+        out.append((vloss, ploss, correct, len(sel)))
+    return out
 
 
 def _act_dtype(feats: torch.Tensor) -> torch.dtype:
@@ -149,16 +249,18 @@ def _autocast(device: torch.device):
 
 @torch.no_grad()
 def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack]) -> dict:
+    """Held-out depth-1 loss and top-1 accuracy at depths 1..EVAL_DEPTHS."""
     draft.eval()
-    v = p_ = c = n = 0.0
+    sums = np.zeros((EVAL_DEPTHS, 4))  # feature loss, token loss, correct, positions
     for p in packs:
-        with _autocast(p.tokens.device):
-            vl, pl, cor = pack_loss(draft, target, p, None)
-        v, p_, c, n = v + float(vl), p_ + float(pl), c + float(cor), n + p.n
+        # the torch path, as in training: the draft's fp32 weights under autocast are not the one-dtype
+        # inference case the Triton kernels serve
+        with _autocast(p.tokens.device), layers.path(False):
+            sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None)]
     draft.train()
-    n = max(n, 1.0)
-    return {"loss": (v + CE_WEIGHT * p_) / n, "feature_loss": v / n, "token_loss": p_ / n, "acc": c / n,
-            "positions": int(n)}
+    n = np.maximum(sums[:, 3], 1.0)
+    return {"loss": float(sums[0, 0] + CE_WEIGHT * sums[0, 1]) / n[0], "acc": [round(float(a), 4) for a in sums[:, 2] / n],
+            "positions": int(sums[0, 3])}
 
 
 @functools.lru_cache(maxsize=2)
@@ -167,8 +269,14 @@ def _permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def pack_order(n: int, seed: int, step: int, per_step: int) -> list[int]:
-    """Pack indices of optimizer step `step`: a fresh permutation per epoch, from the seed and the epoch only."""
+    """Row indices of optimizer step `step`: a fresh permutation per epoch, from the seed and the epoch only."""
     return [_permutation(n, seed, g // n)[g % n] for g in range(step * per_step, (step + 1) * per_step)]
+
+
+def lr_at(step: int, plan: int, lr: float) -> float:
+    """Linear warm-up over 5% of the plan, then cosine to 0 at the plan's end."""
+    warmup = max(1, plan // 20)
+    return lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, plan) / plan))
 
 
 def init_draft(engine_dir: Path, target: Transformer, device, seed: int) -> EagleDraft:
@@ -184,36 +292,60 @@ def init_draft(engine_dir: Path, target: Transformer, device, seed: int) -> Eagl
     return draft.requires_grad_(True).train()
 
 
-def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_len: int = 2048,
-          steps: int | None = None, epochs: float = 1.0, lr: float = 3e-4, batch_tokens: int = 16384,
-          seed: int = 0, device: str | None = None, resume: bool = False, save_every: int = 200,
-          heldout: float = 0.02, time_limit: float | None = None, data: list[list[dict]] | None = None) -> dict:
+def spec_eval(engine_dir: Path, draft_dir: Path, device: str | None, max_new_tokens: int) -> dict:
+    """Acceptance length (tokens per round, bonus included) of the head on the first turn of the first question of
+    each EVAL_CATEGORIES category, per method of EVAL_METHODS (default tree)."""
+    from ..bench.specbench import data_dir, load_questions
+    from ..llm import LLM
+
+    questions = load_questions(data_dir(None), list(EVAL_CATEGORIES), 1)
+    out = {}
+    for method in EVAL_METHODS:
+        llm = LLM(engine_dir, method=method, draft=draft_dir, device=device)
+        rounds = tokens = 0
+        for q in tqdm(questions, desc=f"acceptance ({method})", unit="prompt", dynamic_ncols=True):
+            st = llm.generate(q["turns"][0], max_new_tokens, chat=True).stats
+            rounds, tokens = rounds + st["rounds"], tokens + st["round_tokens"]
+        out[method] = round(tokens / rounds, 3) if rounds else 0.0
+        del llm
+        gc.collect()
+    return out
+
+
+def train(engine: str | Path, out: str | Path, conversations: int | None = None, max_len: int = 4096,
+          steps: int | None = None, epochs: float = 2.0, lr: float = 5e-4, batch_tokens: int = 32768,
+          ttt_steps: int = 3, seed: int = 0, device: str | None = None, resume: bool = False,
+          save_every: int = 200, heldout: float = 0.02, time_limit: float | None = None,
+          eval_tokens: int = 0, data: list[list[dict]] | None = None) -> dict:
+    """Returns the run's record (also printed by the command). eval_tokens > 0: --eval with that many new tokens."""
     from ..data import sharegpt_conversations
-    from ..engine.loader import load_target, pick_device
+    from ..engine.loader import load_target, pick_device, read_config
     from ..llm import resolve_engine
 
-    t0 = time.perf_counter()
+    t0 = perf_counter()
+    if ttt_steps < 1:
+        raise UserError("--ttt-steps must be at least 1")
     engine_dir, out = resolve_engine(engine), Path(out)
     dev, dtype = pick_device(device)
     torch.manual_seed(seed)
+    # a row must fit the target's KV cache, and its positions + the unrolled steps the rope tables
+    max_len = min(max_len, read_config(engine_dir).max_seq_len - EVAL_DEPTHS)
     target, tok = load_target(engine_dir, dev, dtype, max_seq_len=max_len)
     convs = data if data is not None else sharegpt_conversations(conversations)
     n_held = max(1, round(heldout * len(convs)))
     if len(convs) <= n_held:
         raise UserError(f"need more than {n_held} conversations to hold {n_held} out, got {len(convs)}")
-    train_packs = pack(tokenize(tok, convs[:-n_held], max_len), max_len, dev)
-    held_packs = pack(tokenize(tok, convs[-n_held:], max_len), max_len, dev)
+    train_packs = pack(tokenize(tok, convs[:-n_held], max_len, "train"), max_len, dev)
+    held_packs = pack(tokenize(tok, convs[-n_held:], max_len, "held-out"), max_len, dev)
 
     per_step = max(1, batch_tokens // max_len)
     total = steps or math.ceil(epochs * len(train_packs) / per_step)
+    plan = total  # steps in the LR schedule; --time-limit may cut it once measured
     draft = init_draft(engine_dir, target, dev, seed)
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine to 10%
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
     key = {"engine": str(engine_dir.resolve()), "conversations": len(convs), "max_len": max_len, "seed": seed,
-           "batch_tokens": batch_tokens, "total_steps": total}
-    start = done = 0
+           "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "total_steps": total}
+    start = 0
     if resume:
         ck = out / CHECKPOINT
         if not ck.exists():
@@ -223,48 +355,76 @@ def train(engine: str | Path, out: str | Path, conversations: int = 2000, max_le
             raise UserError(f"--resume: {ck} was made with other settings {state['key']}")
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        start = done = state["step"]
-    target_features(target, train_packs, "target features (train)")
-    target_features(target, held_packs, "target features (held-out)")
+        start, plan = state["step"], state["plan"]
+    target_features(target, train_packs, "train")
+    target_features(target, held_packs, "held-out")
     before = evaluate(draft, target, held_packs)
-    bar = tqdm(range(start, total), desc="train draft", unit="step", dynamic_ncols=True, initial=start, total=total)
-    for step in bar:
+    done, t_probe, seen = start, None, 0
+    bar = tqdm(total=plan, initial=start, desc="train draft", unit="step", dynamic_ncols=True)
+    while done < plan:
+        step = done
         noise = torch.Generator(dev).manual_seed(seed * 1000003 + step)
         order = pack_order(len(train_packs), seed, step, per_step)
         n = max(1, sum(train_packs[i].n for i in order))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, plan, lr)
         loss = correct = 0
         for i in order:
             with _autocast(dev):
-                vl, ploss, cor = pack_loss(draft, target, train_packs[i], noise)
-            part = (vl + CE_WEIGHT * ploss) / n
+                losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise)
+            part = sum(STEP_DECAY ** s * (vl + CE_WEIGHT * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
             part.backward()
-            loss, correct = loss + part.detach(), correct + cor
+            loss, correct = loss + part.detach(), correct + losses[0][2]
+            seen += len(train_packs[i].tokens)
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)  # EAGLE's clip
         opt.step()
-        sched.step()
         opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(correct) / n:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
         done = step + 1
-        stop = time_limit is not None and time.perf_counter() - t0 > time_limit  # a budget, not a schedule
-        if done % save_every == 0 or done == total or stop:
+        now = perf_counter()
+        if time_limit is not None and done == start + 1:
+            t_probe = now  # the first step pays for warm-up: timing starts after it
+        if time_limit is not None and done == start + 1 + PROBE_STEPS:
+            per = (now - t_probe) / PROBE_STEPS
+            plan = min(plan, done + max(0, int((t0 + time_limit - now) / per)))
+            bar.total = plan
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(correct) / n:.3f}", lr=f"{lr_at(step, plan, lr):.1e}",
+                        tok_per_s=f"{seen / max(bar.format_dict['elapsed'], 1e-9):.3g}")
+        stop = time_limit is not None and now - t0 > time_limit  # the plan is an estimate; the limit is not
+        if done % save_every == 0 or done == plan or stop:
             out.mkdir(parents=True, exist_ok=True)
-            torch.save({"key": key, "step": done, "draft": draft.state_dict(), "opt": opt.state_dict(),
-                        "sched": sched.state_dict()}, out / CHECKPOINT)
+            torch.save({"key": key, "step": done, "plan": plan, "draft": draft.state_dict(),
+                        "opt": opt.state_dict()}, out / CHECKPOINT)
         if stop:
             break
+    bar.close()
     after = evaluate(draft, target, held_packs)
     save_draft(draft, out, engine_dir)
-    return {"out": str(out), "steps": done, "planned_steps": total, "train_tokens": int(sum(len(p.tokens) for p in train_packs)),
-            "heldout_loss_start": before["loss"], "heldout_acc_start": before["acc"],
-            "heldout_loss": after["loss"], "heldout_acc": after["acc"], "heldout_positions": after["positions"],
-            "wall_s": time.perf_counter() - t0}
+    r = {"out": str(out), "steps": done, "planned_steps": plan, "epoch_steps": total, "ttt_steps": ttt_steps,
+         "train_tokens": int(sum(len(p.tokens) for p in train_packs)), "heldout_loss_start": before["loss"],
+         "heldout_acc_start": before["acc"], "heldout_loss": after["loss"], "heldout_acc": after["acc"],
+         "heldout_positions": after["positions"], "train_s": perf_counter() - t0}
+    print(f"[train-draft] held-out top-1 at depths 1..{EVAL_DEPTHS}: {after['acc']} (start {before['acc']}), "
+          f"{done} steps, {r['train_s']:.0f} s", file=sys.stderr)
+    if eval_tokens:
+        del train_packs, held_packs, target, draft, opt
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # the cached features go back before the evaluation engines load
+        r["acceptance"] = spec_eval(engine_dir, out, device, eval_tokens)
+        print(f"[train-draft] acceptance length (tokens per round, {len(EVAL_CATEGORIES)} prompts): "
+              f"{r['acceptance']}", file=sys.stderr)
+    r["wall_s"] = perf_counter() - t0
+    return r
 
 
 def cmd_train_draft(a) -> None:
+    if a.eval and a.eval_tokens < 1:
+        raise UserError("--eval-tokens must be at least 1")
     r = train(a.engine, a.out, conversations=a.conversations, max_len=a.max_len, steps=a.steps, epochs=a.epochs,
-              lr=a.lr, batch_tokens=a.batch_tokens, seed=a.seed, device=a.device, resume=a.resume,
-              save_every=a.save_every, heldout=a.heldout, time_limit=a.time_limit)
+              lr=a.lr, batch_tokens=a.batch_tokens, ttt_steps=a.ttt_steps, seed=a.seed, device=a.device,
+              resume=a.resume, save_every=a.save_every, heldout=a.heldout, time_limit=a.time_limit,
+              eval_tokens=a.eval_tokens if a.eval else 0)
     print(json.dumps(r))
 
 
@@ -272,17 +432,22 @@ def register(sub) -> None:
     p = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head for an engine on ShareGPT")
     p.add_argument("--engine", required=True, help="engine directory or model key")
     p.add_argument("--out", required=True, help="draft directory (config.json + model.safetensors, checkpoint.pt)")
-    p.add_argument("--conversations", type=int, default=2000, help="first N ShareGPT conversations")
-    p.add_argument("--max-len", type=int, default=2048, help="tokens per conversation and per packed sequence")
+    p.add_argument("--conversations", type=int, help="first N ShareGPT conversations (default: all)")
+    p.add_argument("--max-len", type=int, default=4096, help="tokens per packed row (and per conversation)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: from --epochs)")
-    p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per optimizer step (whole packs)")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
+    p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per optimizer step (whole rows)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per position (training-time "
+                                                            "test); 1 = EAGLE's single-step recipe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     p.add_argument("--heldout", type=float, default=0.02, help="fraction of the conversations held out")
-    p.add_argument("--time-limit", type=float, help="stop training (checkpoint, evaluate, save) after this many "
-                                                    "seconds of wall time since the start")
+    p.add_argument("--time-limit", type=float, help="seconds of wall time since the start (caching included) by "
+                                                    "which training ends: the schedule is fitted to it")
+    p.add_argument("--eval", action="store_true", help="after training, the acceptance length of the head on "
+                                                       "Spec-Bench + HumanEval prompts (eagle and microspec)")
+    p.add_argument("--eval-tokens", type=int, default=256, help="new tokens per --eval prompt")
     p.set_defaults(func=cmd_train_draft)
