@@ -3,7 +3,9 @@ translation, HumanEval), a few tokens, every main method plus one point of each 
 with a random draft head (losslessness must hold for any draft)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 
 import pytest
@@ -29,15 +31,26 @@ def bench(engine_dir, random_draft_dir, tmp_path_factory):
     V = read_config(engine_dir).vocab_size
     save_file({"ranked_ids": torch.randperm(V, generator=torch.Generator().manual_seed(0))}, eng / FREQ_FILE)
     out = tmp_path_factory.mktemp("bench")
-    main(["bench", "--engine", str(eng), "--draft", str(random_draft_dir), "--device", "cpu",
-          "--categories", ",".join(CATS), "--limit", "1", "--max-new-tokens", "4", "--warmup", "1",
-          "--methods", "ar,eagle,frspec,microspec,hf", "--frspec-k", "1024", "--w-max-sweep", "512,3072",
-          "--depth", "2", "--total-tokens", "8", "--out", str(out)])
-    return json.loads((out / "results.json").read_text()), out
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        main(["bench", "--engine", str(eng), "--draft", str(random_draft_dir), "--device", "cpu",
+              "--categories", ",".join(CATS), "--limit", "1", "--max-new-tokens", "4", "--warmup", "1",
+              "--methods", "ar,eagle,frspec,microspec,hf", "--frspec-k", "1024", "--w-max-sweep", "512,3072",
+              "--depth", "2", "--total-tokens", "8", "--out", str(out)])
+    return json.loads((out / "results.json").read_text()), out, log.getvalue()
+
+
+def test_progress_names_each_stage(bench):
+    _, _, log = bench
+    assert "[bench] 3 questions (" in log and "7 runs: ar, eagle, frspec, microspec, frspec@K=1024, " in log
+    lines = [line for line in log.splitlines() if line.startswith("[bench] ")]
+    for label in ("ar", "eagle", "microspec@W=512"):
+        for stage in ("loading the model", "1 warm-up requests", "question 1/3 (", "question 3/3 (", "tok/s"):
+            assert any(f" {label}: " in line and stage in line for line in lines), (label, stage)
 
 
 def test_every_method_and_category(bench):
-    res, _ = bench
+    res, _, _ = bench
     hf = ["hf"] if importlib.util.find_spec("transformers") else []  # an optional dependency
     assert set(res["runs"]) == {"ar", *SPEC, *hf}  # W=3072 is the main microspec run, not run twice
     for name, run in res["runs"].items():
@@ -48,7 +61,7 @@ def test_every_method_and_category(bench):
 
 
 def test_lossless_and_draft_stats(bench):
-    res, _ = bench
+    res, _, _ = bench
     for name in SPEC:
         run = res["runs"][name]
         assert run["lossless"] and not run["mismatches"], name
@@ -61,13 +74,13 @@ def test_lossless_and_draft_stats(bench):
 
 
 def test_second_turn_sees_the_first_answer(bench):
-    res, _ = bench
+    res, _, _ = bench
     t0, t1 = [r for r in res["runs"]["ar"]["turns"] if r["category"] == "mt_bench"]
     assert t1["prompt_tokens"] > t0["prompt_tokens"] + t0["new_tokens"]
 
 
 def test_static_coverage_and_outputs(bench):
-    res, out = bench
+    res, out, _ = bench
     cov = res["static_coverage"]
     assert cov["k"][-1] == read_config(res["config"]["engine"]).vocab_size
     assert cov["overall"] == sorted(cov["overall"]) and cov["overall"][-1] == 1.0

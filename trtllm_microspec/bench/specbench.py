@@ -135,14 +135,15 @@ def timed(model, messages, max_new_tokens: int, cuda: bool):
     return r, time.perf_counter() - t0
 
 
-def run_questions(model, questions: list[dict], a) -> tuple[list[dict], dict]:
+def run_questions(model, questions: list[dict], a, label: str) -> tuple[list[dict], dict]:
     """Per turn: a record of its stats and timing; also the token ids per (qid, turn) for the comparisons."""
     cuda = model.device.type == "cuda"
     first = questions[0]["turns"][0]
+    log(f"{label}: {a.warmup} warm-up requests")
     for _ in range(a.warmup):
         model.generate(first, min(a.max_new_tokens, WARMUP_TOKENS), chat=True)
     records, ids = [], {}
-    for q in questions:
+    for i, q in enumerate(questions, 1):
         messages = []
         for t, user in enumerate(q["turns"]):
             messages.append({"role": "user", "content": user})
@@ -150,6 +151,9 @@ def run_questions(model, questions: list[dict], a) -> tuple[list[dict], dict]:
             messages.append({"role": "assistant", "content": r.text})
             records.append({"qid": q["qid"], "category": q["category"], "turn": t, "time_s": secs, **r.stats})
             ids[q["qid"], t] = r.token_ids
+        done = records[-len(q["turns"]):]
+        log(f"{label}: question {i}/{len(questions)} ({q['category']}): {sum(r['new_tokens'] for r in done)} tokens "
+            f"in {sum(r['time_s'] for r in done):.1f} s")
     return records, ids
 
 
@@ -259,15 +263,19 @@ def cmd_bench(a) -> None:
     res = {"config": {k: v for k, v in vars(a).items() if k != "func"}, "categories": a.categories,
            "runs": {}, "notes": []}
     ar_ids: dict = {}
-    for run in build_runs(a):
+    runs = build_runs(a)
+    log(f"{len(questions)} questions ({', '.join(a.categories)}), {len(runs)} runs: "
+        f"{', '.join(r['label'] for r in runs)}")
+    for i, run in enumerate(runs, 1):
         label = run.pop("label")
         if run["method"] == HF and importlib.util.find_spec("transformers") is None:
             res["notes"].append("hf skipped: transformers is not installed")
-            print(f"[bench] {res['notes'][-1]}", file=sys.stderr)
+            log(res["notes"][-1])
             continue
+        log(f"run {i}/{len(runs)} {label}: loading the model")
         model = make_model(a, run)
         t0 = time.perf_counter()
-        records, ids = run_questions(model, questions, a)
+        records, ids = run_questions(model, questions, a, label)
         if run["method"] == "ar":
             ar_ids = ids
             res["device"] = str(model.device)
@@ -284,10 +292,15 @@ def cmd_bench(a) -> None:
         mism = compare(ids, ar_ids)
         res["runs"][label] = {**run, "lossless": not mism, "mismatches": mism, "summary": summary, "turns": records}
         s = summary["overall"]
-        print(f"[bench] {label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
-              f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        log(f"{label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
+            f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)")
         write(res, out)  # after every run, so that an interrupted benchmark still leaves what it measured
     print(out / "results.md")
+
+
+def log(msg: str) -> None:
+    """What the benchmark is doing now: it runs for minutes to hours."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def static_coverage_of(engine_dir: Path, ar_ids: dict, questions: list[dict], notes: list[str]) -> dict | None:
