@@ -13,7 +13,7 @@ from trtllm_microspec import LLM
 from trtllm_microspec.engine.loader import load_target
 from trtllm_microspec.models import registry
 from trtllm_microspec.models.build import build_engine
-from trtllm_microspec.models.model import ModelConfig
+from trtllm_microspec.models.model import ModelConfig, Span
 from trtllm_microspec.models.registry import ModelSpec, UserError
 from trtllm_microspec.spec.eagle import EagleDraft, build_draft, draft_config
 
@@ -56,9 +56,9 @@ def test_hf_dir_build_matches_gguf_build(engine_dir, hf_dir, tmp_path):
     assert tok_b.prompt_ids(PROMPT, chat=True) == ids
     ids = torch.tensor(ids)
     pos = torch.arange(len(ids))
-    mask = pos[None, :] <= pos[:, None]
+    span = Span(torch.tensor(0), pos[None, :] <= pos[:, None], len(ids))
     with torch.no_grad():
-        assert torch.equal(a.logits(a(ids, pos, pos, mask)), b.logits(b(ids, pos, pos, mask)))
+        assert torch.equal(a.logits(a(ids, pos, pos, span)), b.logits(b(ids, pos, pos, span)))
     assert not (out / "eagle").exists()  # an unknown checkpoint gets no packaged head
 
 

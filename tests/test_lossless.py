@@ -69,8 +69,8 @@ class SelfDraft:
         self.model = copy.copy(target)  # shares the modules; the cache attribute below is its own
         self.model.cache = KVCache(target.cfg, target.cfg.num_layers, target.cache.k.dtype, target.cache.k.device)
 
-    def __call__(self, tokens, features, positions, slots, mask):
-        return self.model(tokens, positions, slots, mask)
+    def __call__(self, tokens, features, positions, slots, span):
+        return self.model(tokens, positions, slots, span)
 
 
 def check(llm, method, knobs, case, got, want):

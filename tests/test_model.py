@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from trtllm_microspec.engine.loader import load_target
 from trtllm_microspec.llm import resolve_engine
+from trtllm_microspec.models.model import Span
 from trtllm_microspec.models.registry import gguf_path
 
 TEXT = ("In 1905 Albert Einstein, then a clerk at the patent office in Bern, published four papers that changed "
@@ -57,19 +58,20 @@ class Ours:
         if sliding_window:
             self.model.cfg.sliding_window = sliding_window
 
-    def __call__(self, tokens, positions, slots, mask):
-        return self.model.logits(self.model(tokens, positions, slots, mask))
+    def __call__(self, tokens, positions, slots, span):
+        return self.model.logits(self.model(tokens, positions, slots, span))
 
     def prefill(self, ids):
         pos = torch.arange(len(ids))
-        return self(ids, pos, pos, pos[None, :] <= pos[:, None])
+        return self(ids, pos, pos, Span(torch.tensor(0), pos[None, :] <= pos[:, None], len(ids)))
 
     def decode_path(self, ids, n):
         """Feed ids one at a time after n cached tokens; the logits of each step."""
         out = []
         for i, t in enumerate(ids.tolist()):
             p = torch.tensor([n + i])
-            out.append(self(torch.tensor([t]), p, p, torch.ones(1, n + i + 1, dtype=torch.bool)))
+            out.append(self(torch.tensor([t]), p, p, Span(torch.tensor(n + i), torch.ones(1, 1, dtype=torch.bool),
+                                                          n + i + 1)))
         return torch.cat(out)
 
 
@@ -142,7 +144,7 @@ def test_tree_mask_equals_branches(case):
     depth = anc.sum(1) - 1
     with torch.no_grad():
         ours.prefill(ids[:n])
-        tree = ours(tokens, n + depth, n + torch.arange(N), torch.cat([torch.ones(N, n, dtype=torch.bool), anc], 1))
+        tree = ours(tokens, n + depth, n + torch.arange(N), Span(torch.tensor(n), anc, n + N))
         leaves = [i for i in range(N) if i not in PARENT]
         assert len(leaves) == 3
         for leaf in leaves:

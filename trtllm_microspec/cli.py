@@ -15,6 +15,7 @@ FEATURE_MODULES = [
     "trtllm_microspec.train.train_draft",
     "trtllm_microspec.bench.specbench",
     "trtllm_microspec.bench.kernels",
+    "trtllm_microspec.bench.profile",
     "trtllm_microspec.serving.server",
     "trtllm_microspec.serving.client",
 ]

@@ -14,9 +14,9 @@ from collections.abc import Generator
 
 import torch
 
-from ..models.model import Transformer
+from ..models.model import Span, Transformer
 from ..models.registry import UserError
-from ..spec.tree import TreeConfig, accept, attention_mask, causal, draft_tree, verify
+from ..spec.tree import TreeConfig, accept, causal, draft_tree, verify
 from .graphs import GraphRunner, bucket_for
 from .stats import Stats
 
@@ -127,7 +127,7 @@ class Executor:
         L = ids.numel()
         pos = torch.arange(L, device=self.device)
         self.n.fill_(0)
-        h = self.target(ids, pos, pos, attention_mask(self.n, causal(L, self.device), L))
+        h = self.target(ids, pos, pos, Span(self.n, causal(L, self.device), L))
         self.n.fill_(L)
         return ids, h
 
@@ -139,7 +139,7 @@ class Executor:
             self.root.copy_(t.logits(h[-1:]).argmax(-1))
 
         def step(S):
-            h = t(self.root, self.n.view(1), self.n.view(1), attention_mask(self.n, causal(1, self.device), S))
+            h = t(self.root, self.n.view(1), self.n.view(1), Span(self.n, causal(1, self.device), S))
             self.root.copy_(t.logits(h).argmax(-1))
             self.n.add_(1)
 
@@ -166,7 +166,7 @@ class Executor:
             L = ids.numel()
             pos = torch.arange(L, device=dev)
             zero = torch.zeros((), dtype=torch.long, device=dev)
-            dh = d(torch.cat([ids[1:], self.root]), h, pos, pos, attention_mask(zero, causal(L, dev), L))
+            dh = d(torch.cat([ids[1:], self.root]), h, pos, pos, Span(zero, causal(L, dev), L))
             self.h_last.copy_(dh[-1])
             vocab.join()
 
@@ -189,7 +189,7 @@ class Executor:
             self.counters[1] = torch.maximum(self.counters[1], size)
             vocab.update(self.drafted.tokens[1:], self.ver)  # the gather runs on the copy stream ...
             pos = self.n + self.steps
-            h = d(self.emitted, self.hid_path, pos, pos, attention_mask(self.n, causal(P, dev), S))
+            h = d(self.emitted, self.hid_path, pos, pos, Span(self.n, causal(P, dev), S))
             last = self.k.view(1)
             self.h_last.copy_(h.index_select(0, last)[0])  # ... hidden behind this draft forward
             self.root.copy_(self.emitted.index_select(0, last))

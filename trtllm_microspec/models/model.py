@@ -1,8 +1,10 @@
 """Decoder-only transformer for the Llama, Qwen2 and Gemma3 families, with a static KV cache.
 
 One forward serves prefill, single-token decode and tree verification: it takes T new tokens, their
-positions, the cache slots they are written to, and a boolean mask [T, S] over the first S cache slots
-(True = may attend). Tree verification passes an ancestor mask; decode and prefill pass a causal one.
+positions, the cache slots they are written to, and a `Span`: the committed slots every row sees plus a boolean
+mask over the new slots (an ancestor mask for tree verification, a causal one for decode and prefill). The
+layer's pieces (add + RMSNorm, rotary + cache write, gated activation, attention) are plugins/layers.py: plain
+torch on the CPU and under autograd, Triton kernels on CUDA; q|k|v and gate|up are one GEMM each.
 Weight names follow the Hugging Face layout without the `model.` prefix, so engines and official EAGLE
 checkpoints load with plain `load_state_dict`.
 """
@@ -16,6 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from plugins import layers
+from plugins.layers import Span
 
 
 @dataclass
@@ -65,9 +70,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return layers.rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def rope_tables(cfg: ModelConfig, theta: float, scale: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,57 +80,77 @@ def rope_tables(cfg: ModelConfig, theta: float, scale: float, device) -> tuple[t
     return torch.cos(ang).float(), torch.sin(ang).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, H, D]; cos/sin [T, D/2]; rotate-half convention (as HF checkpoints are laid out)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+class FusedLinear(nn.Linear):
+    """One GEMM for several projections of the same input (q|k|v, gate|up). Checkpoints keep the parts as
+    separate tensors (the Hugging Face and EAGLE layouts): `fuse_parts` makes the owning module concatenate them
+    on load and split them on save."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+
+def fuse_parts(owner: nn.Module, name: str) -> None:
+    """Hooks on `owner` (they must see the part names before the owner's loader calls them unexpected)."""
+    parts = getattr(owner, name).parts
+
+    def fuse(module, sd, prefix, *args):
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{p}.{kind}" for p in parts]
+            if all(k in sd for k in keys):
+                sd[f"{prefix}{name}.{kind}"] = torch.cat([sd.pop(k) for k in keys])
+
+    def split(module, sd, prefix, *args):
+        for kind in ("weight", "bias"):
+            fused = sd.pop(f"{prefix}{name}.{kind}", None)
+            if fused is not None:
+                for p, part in zip(parts, fused.split(list(parts.values()))):
+                    sd[f"{prefix}{p}.{kind}"] = part
+
+    owner.register_load_state_dict_pre_hook(fuse)
+    owner._register_state_dict_hook(split)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.h, self.kv, self.d = h, kv, d
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.h, self.kv, self.d, self.eps = h, kv, d, cfg.rms_norm_eps
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d},
+                                    bias=cfg.attention_bias)
+        fuse_parts(self, "qkv_proj")
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         if cfg.gemma:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, gemma=True)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, gemma=True)
 
-    def forward(self, x, cos, sin, slots, mask, k_cache, v_cache):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.h, self.d)
-        k = self.k_proj(x).view(T, self.kv, self.d)
-        v = self.v_proj(x).view(T, self.kv, self.d)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache.index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.index_copy_(1, slots, v.transpose(0, 1))
-        S = mask.shape[1]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k_cache[:, :S], v_cache[:, :S], attn_mask=mask,
-                                           scale=self.scale, enable_gqa=True)
-        return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.d))
+    def forward(self, x, rope, positions, slots, span, k_pos, window, k_cache, v_cache):
+        qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
+        q = layers.rope_cache_write(self.qkv_proj(x), self.h, self.kv, rope, positions, slots, k_cache, v_cache,
+                                    qk_norm, self.eps)
+        o = layers.attention(q, k_cache, v_cache, span, positions, k_pos, window, self.scale)
+        return self.o_proj(o.reshape(x.shape[0], self.h * self.d))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = (lambda g: F.gelu(g, approximate="tanh")) if cfg.gemma else F.silu
+        i = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": i, "up_proj": i}, bias=False)
+        fuse_parts(self, "gate_up_proj")
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
+        self.gelu = cfg.gemma
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(layers.act_mul(self.gate_up_proj(x), self.gelu))
 
 
 class Block(nn.Module):
-    """One decoder layer. EAGLE's draft layer is the same block with its input norm skipped."""
+    """One decoder layer. It takes the residual stream as (res, delta): its input is res + delta, where delta
+    is the previous layer's MLP output (normed by that layer's post-feedforward norm on Gemma, `delta_norm`),
+    so each add is fused with the norm after it. Returns (res, delta) for the next layer. EAGLE's draft layer
+    is the same block with its input norm skipped."""
 
     def __init__(self, cfg: ModelConfig, skip_input_norm: bool = False):
         super().__init__()
@@ -141,14 +164,25 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
 
-    def forward(self, x, cos, sin, slots, mask, k_cache, v_cache):
-        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        a = self.self_attn(h, cos, sin, slots, mask, k_cache, v_cache)
+    @property
+    def out_norm(self) -> torch.Tensor | None:
+        """The norm applied to this layer's delta before it is added (Gemma's post-feedforward norm)."""
+        n = getattr(self, "post_feedforward_layernorm", None)
+        return None if n is None else n.weight
+
+    def forward(self, res, delta, delta_norm, attn_args):
+        norm = self.post_attention_layernorm
+        if hasattr(self, "input_layernorm"):
+            res, h = layers.add_rms_norm(res, delta, self.input_layernorm.weight, norm.eps, norm.offset, delta_norm)
+        else:  # the draft layer: its input is the fc output, unnormed
+            h = res
+        a = self.self_attn(h, *attn_args)
         if hasattr(self, "pre_feedforward_layernorm"):
-            x = x + self.post_attention_layernorm(a)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+            res, h = layers.add_rms_norm(res, a, self.pre_feedforward_layernorm.weight, norm.eps, norm.offset,
+                                         norm.weight)
+        else:
+            res, h = layers.add_rms_norm(res, a, norm.weight, norm.eps, norm.offset)
+        return res, self.mlp(h)
 
 
 class KVCache:
@@ -168,17 +202,6 @@ class KVCache:
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
         self.pos[dst] = self.pos[src]
-
-
-def layer_masks(cfg: ModelConfig, mask: torch.Tensor, positions: torch.Tensor, cache: KVCache):
-    """The float additive masks for full and (Gemma) sliding layers from the caller's boolean mask."""
-    neg = torch.finfo(cache.k.dtype).min
-    full = torch.zeros(mask.shape, dtype=cache.k.dtype, device=mask.device).masked_fill(~mask, neg)
-    if not cfg.sliding_window:
-        return full, full
-    near = (positions[:, None] - cache.pos[None, : mask.shape[1]]) < cfg.sliding_window
-    local = torch.zeros_like(full).masked_fill(~(mask & near), neg)
-    return full, local
 
 
 class Transformer(nn.Module):
@@ -212,19 +235,18 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
 
-    def forward(self, tokens, positions, slots, mask) -> torch.Tensor:
-        """tokens/positions/slots [T] long, mask [T, S] bool -> final-normed hidden states [T, d]."""
+    def forward(self, tokens, positions, slots, span: Span) -> torch.Tensor:
+        """tokens/positions/slots [T] long, attending as `span` says -> final-normed hidden states [T, d]."""
         c, cache = self.cfg, self.cache
         cache.write_pos(slots, positions)
-        full, local = layer_masks(c, mask, positions, cache)
-        g = (self.rope_global[0][positions], self.rope_global[1][positions])
-        lo = (self.rope_local[0][positions], self.rope_local[1][positions])
-        x = self.embed(tokens)
+        res, delta, delta_norm = self.embed(tokens), None, None
         for i, layer in enumerate(self.layers):
             sliding = c.is_sliding(i)
-            cos, sin = lo if sliding else g
-            x = layer(x, cos, sin, slots, local if sliding else full, cache.k[i], cache.v[i])
-        return self.norm(x)
+            rope, window = (self.rope_local, c.sliding_window) if sliding else (self.rope_global, 0)
+            attn_args = (rope, positions, slots, span, cache.pos, window, cache.k[i], cache.v[i])
+            res, delta = layer(res, delta, delta_norm, attn_args)
+            delta_norm = layer.out_norm
+        return layers.add_rms_norm(res, delta, self.norm.weight, self.norm.eps, self.norm.offset, delta_norm)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight)

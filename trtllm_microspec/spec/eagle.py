@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..models.model import Block, KVCache, ModelConfig, Transformer, layer_masks, rope_tables
+from ..models.model import Block, KVCache, ModelConfig, Span, Transformer, rope_tables
 from ..models.registry import UserError
 
 
@@ -31,17 +31,17 @@ class EagleDraft(nn.Module):
         self.cache = KVCache(self.cfg, 1, dtype, device)
         return self
 
-    def hidden(self, tokens, features, positions, slots, mask, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, tokens, features, positions, slots, span: Span, cache: KVCache | None = None) -> torch.Tensor:
         """tokens [T] (token t+1), features [T, d] (target/draft feature at t) -> draft hidden [T, d]."""
         cache = cache or self.cache
         cache.write_pos(slots, positions)
-        full, _ = layer_masks(self.cfg, mask, positions, cache)
         x = self.fc(torch.cat([self.target[0].embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
-        cos, sin = self.rope[0][positions], self.rope[1][positions]
-        return self.layers[0](x, cos, sin, slots, full, cache.k[0], cache.v[0])
+        attn_args = (self.rope, positions, slots, span, cache.pos, 0, cache.k[0], cache.v[0])
+        res, delta = self.layers[0](x, None, None, attn_args)
+        return res + delta
 
-    def forward(self, tokens, features, positions, slots, mask) -> torch.Tensor:
-        return self.hidden(tokens, features, positions, slots, mask)
+    def forward(self, tokens, features, positions, slots, span: Span) -> torch.Tensor:
+        return self.hidden(tokens, features, positions, slots, span)
 
 
 def draft_config(target: ModelConfig) -> ModelConfig:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.model import Span
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -41,17 +43,6 @@ class Tree:
     anc: torch.Tensor  # [N, N] bool: anc[i, j] = j is i or an ancestor of i
 
 
-def attention_mask(n: torch.Tensor, new: torch.Tensor, S: int) -> torch.Tensor:
-    """[t, S] bool mask over the first S cache slots: every row sees the n committed slots, and the slots
-    n .. n+m-1 being written now as `new` [t, m] says. n is a device scalar, so the same code runs eagerly
-    (S just large enough) and inside CUDA graphs (S = a fixed bucket, n changing between replays)."""
-    t, m = new.shape
-    dev = new.device
-    mask = (torch.arange(S, device=dev) < n).expand(t, S).clone()
-    mask[:, n + torch.arange(m, device=dev)] = new
-    return mask
-
-
 def causal(t: int, device) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()
 
@@ -72,7 +63,7 @@ def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.
     for i in range(cfg.depth):
         slots = n + i * k + torch.arange(k, device=dev)
         pos = (n + i).expand(k)
-        h = draft(cur_tok, cur_feat, pos, slots, attention_mask(n, anc[:, : (i + 1) * k], S))
+        h = draft(cur_tok, cur_feat, pos, slots, Span(n, anc[:, : (i + 1) * k], S))
         logp, ids = vocab.head(h, k)  # [k, k]
         score = (cur_score[:, None] + logp).flatten()
         pool_tok.append(ids.flatten())
@@ -112,7 +103,7 @@ def _select(tok, score, parent, root, cfg: TreeConfig) -> Tree:
 def verify(target, tree: Tree, n: torch.Tensor, S: int):
     """One target pass over the tree. Returns the final hidden states [N, d] and the logits [N, V]."""
     N, dev = tree.tokens.numel(), tree.tokens.device
-    h = target(tree.tokens, n + tree.depth, n + torch.arange(N, device=dev), attention_mask(n, tree.anc, S))
+    h = target(tree.tokens, n + tree.depth, n + torch.arange(N, device=dev), Span(n, tree.anc, S))
     return h, target.logits(h)
 
 

@@ -1,0 +1,215 @@
+"""`python -m plugins.check_layers`: the Triton layer kernels against the torch reference on random inputs.
+
+Each op (add + RMSNorm, rotary + cache write, gated activation, attention over random tree / causal / windowed
+spans) and then whole forwards of small random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k
+norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
+unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
+bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
+small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1 on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from . import layers
+from .layers import Span
+
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def random_tree(g, N: int) -> torch.Tensor:
+    """[N, N] ancestor mask of a random tree whose parents precede their children (node 0 the root)."""
+    anc = torch.eye(N, dtype=torch.bool)
+    for i in range(1, N):
+        anc[i] |= anc[int(torch.randint(i, (1,), generator=g))]
+    return anc
+
+
+def both(fn):
+    """fn() on the Triton path and on the reference path."""
+    with layers.path(True):
+        fast = fn()
+    with layers.path(False):
+        ref = fn()
+    return fast, ref
+
+
+def check_norm(dev, dtype, g, d: int) -> float:
+    err = 0.0
+    for has_delta, norm_delta, offset in [(False, False, 0.0), (True, False, 0.0), (True, True, 1.0)]:
+        res = torch.randn(7, d, generator=g).to(dev, dtype) * 3
+        delta = torch.randn(7, d, generator=g).to(dev, dtype) if has_delta else None
+        w, dw = (torch.randn(d, generator=g).to(dev, dtype) for _ in range(2))
+        (r1, h1), (r2, h2) = both(lambda: layers.add_rms_norm(res, delta, w, 1e-6, offset,
+                                                              dw if norm_delta else None))
+        err = max(err, rel(r1, r2), rel(h1, h2))
+    return err
+
+
+def check_act(dev, dtype, g, inter: int) -> float:
+    gu = torch.randn(5, 2 * inter, generator=g).to(dev, dtype) * 2
+    return max(rel(*both(lambda: layers.act_mul(gu, gelu))) for gelu in (False, True))
+
+
+def check_rope(dev, dtype, g, H: int, KV: int, D: int, qk_norm: bool) -> float:
+    T, S = 9, 64
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dev, dtype)
+    ang = torch.rand(S, D // 2, generator=g).to(dev) * 6
+    rope = (ang.cos(), ang.sin())
+    pos = torch.randint(S, (T,), generator=g).to(dev)
+    slots = torch.randperm(S, generator=g)[:T].to(dev)
+    norms = tuple(torch.randn(D, generator=g).to(dev, dtype) for _ in range(2)) if qk_norm else None
+    outs = []
+    for use in (True, False):
+        k = torch.full((KV, S, D), float("nan"), dtype=dtype, device=dev)
+        v = k.clone()
+        with layers.path(use):
+            q = layers.rope_cache_write(qkv, H, KV, rope, pos, slots, k, v, norms, 1e-6)
+        outs.append((q, k[:, slots], v[:, slots]))
+    return max(rel(a, b) for a, b in zip(*outs))
+
+
+def check_attention(dev, dtype, g, H: int, KV: int, D: int, T: int, n: int, S: int, window: int,
+                    kind: str) -> float:
+    """kind: 'tree' (T new slots, a random ancestor mask), 'causal', or 'draft' (T rows, the last T of 3T new
+    slots, each row seeing a random subset of the earlier new slots and itself)."""
+    m = 3 * T if kind == "draft" else T
+    if kind == "tree":
+        new = random_tree(g, T)
+    elif kind == "causal":
+        new = torch.ones(T, T, dtype=torch.bool).tril()
+    else:  # a column slice of a wider mask, as the draft expansion passes it (rows not contiguous)
+        new = torch.rand(T, m + 5, generator=g) < 0.3
+        new[:, m - T:m] = torch.eye(T, dtype=torch.bool)
+        new = new[:, :m]
+    q = torch.randn(T, H, D, generator=g).to(dev, dtype)
+    Smax = S + 16
+    k = torch.randn(KV, Smax, D, generator=g).to(dev, dtype)
+    v = torch.randn(KV, Smax, D, generator=g).to(dev, dtype)
+    k_pos = torch.randperm(Smax, generator=g).to(dev)  # slots need not hold increasing positions
+    q_pos = torch.randint(Smax, (T,), generator=g).to(dev)
+    span = Span(torch.tensor(n, device=dev), new.to(dev), S)
+    scale = D ** -0.5
+    with layers.path(True):
+        got = layers.attention(q, k, v, span, q_pos, k_pos, window, scale)
+    mask = span.mask(window, q_pos, k_pos)
+    # a row that sees nothing (possible only with a window in this synthetic test) is left out
+    seen = mask.any(1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1), k[:, :S].double(), v[:, :S].double(), attn_mask=mask, scale=scale,
+        enable_gqa=True).transpose(0, 1)
+    return rel(got[seen], ref[seen])
+
+
+def tiny_config(arch: str, D: int):
+    from trtllm_microspec.models.model import ModelConfig
+
+    gemma = arch == "gemma3"
+    return ModelConfig(arch=arch, vocab_size=300, hidden_size=4 * D, intermediate_size=6 * D, num_layers=3,
+                       num_heads=4, num_kv_heads=1 if gemma else 2, head_dim=D, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, max_seq_len=160, tie_word_embeddings=gemma,
+                       attention_bias=arch == "qwen2", sliding_window=8 if gemma else 0,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"] if gemma else [],
+                       query_pre_attn_scalar=float(D) if gemma else 0.0)
+
+
+def check_model(dev, dtype, g, arch: str, D: int) -> float:
+    """Prefill of 40 tokens, then a 12-node tree at n = 40: hidden states of the Triton path vs the reference."""
+    from trtllm_microspec.models.model import Transformer
+
+    torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    model = Transformer(tiny_config(arch, D))
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.setup(dtype, dev)
+    L, N = 40, 12
+    ids = torch.randint(300, (L + N,), generator=g).to(dev)
+    tree = random_tree(g, N).to(dev)
+    depth = tree.sum(1) - 1
+    err = 0.0
+    outs = []
+    for use in (True, False):
+        model.cache.k.fill_(float("nan"))
+        model.cache.v.fill_(float("nan"))
+        with layers.path(use), torch.no_grad():
+            pos = torch.arange(L, device=dev)
+            h1 = model(ids[:L], pos, pos, Span(torch.tensor(0, device=dev), tree.new_ones(L, L).tril(), L))
+            n = torch.tensor(L, device=dev)
+            h2 = model(ids[L:], L + depth, L + torch.arange(N, device=dev), Span(n, tree, L + N + 8))
+        outs.append((h1, h2))
+    for a, b in zip(*outs):
+        err = max(err, rel(a, b))
+    return err
+
+
+def fix_interpreter() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(array), which
+    numpy >= 2.4 refuses ("only 0-dimensional arrays..."): a loop bound read from memory then fails on the CPU.
+    Convert through the element instead. Only the interpreter (TRITON_INTERPRET=1) is touched."""
+    from triton.runtime import interpreter as it
+
+    orig = it._patch_lang_tensor
+
+    def patch(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    it._patch_lang_tensor = patch
+
+
+def run(dev: str, big: bool) -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        fix_interpreter()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    dtypes = [torch.bfloat16, torch.float32] if dev == "cuda" else [torch.float32]
+    shapes = [(9, 3, 64), (4, 1, 256), (12, 2, 128)] if big else [(4, 2, 32), (4, 1, 64)]
+    for dtype in dtypes:
+        tol = TOL[dtype]
+        dn = str(dtype).removeprefix("torch.")
+        for d in ([576, 640, 1536] if big else [96, 128]):
+            rows.append((f"add_rms_norm d={d} {dn}", check_norm(dev, dtype, g, d), tol))
+        rows.append((f"act_mul {dn}", check_act(dev, dtype, g, 8960 if big else 200), tol))
+        for H, KV, D in shapes:
+            rows.append((f"rope_cache_write H={H} KV={KV} D={D} {dn}", check_rope(dev, dtype, g, H, KV, D, False), tol))
+        rows.append((f"rope_cache_write qk-norm {dn}", check_rope(dev, dtype, g, 4, 1, shapes[1][2], True), tol))
+        cases = [(1, 500, 1024, 0, "causal"), (60, 700, 1024, 0, "tree"), (10, 300, 512, 0, "draft"),
+                 (600, 0, 600, 0, "causal"), (60, 400, 512, 128, "tree"), (1, 900, 1024, 512, "causal")] if big else \
+                [(1, 37, 64, 0, "causal"), (12, 20, 48, 0, "tree"), (5, 9, 40, 0, "draft"), (33, 0, 33, 0, "causal"),
+                 (12, 30, 64, 16, "tree"), (1, 150, 256, 0, "causal"), (4, 100, 192, 0, "draft")]  # last two: split
+        for H, KV, D in shapes:
+            for T, n, S, w, kind in cases:
+                err = check_attention(dev, dtype, g, H, KV, D, T, n, S, w, kind)
+                rows.append((f"attention {kind} T={T} n={n} S={S} window={w} H={H}/{KV} D={D} {dn}", err, tol))
+        for arch in ("llama", "qwen2", "gemma3"):
+            rows.append((f"model {arch} prefill+tree {dn}", check_model(dev, dtype, g, arch, 64 if big else 32), tol))
+    fails = 0
+    for name, err, tol in rows:
+        ok = err <= tol
+        fails += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {err:9.2e} <= {tol:.0e}  {name}")
+    print(f"{len(rows) - fails} of {len(rows)} passed")
+    return 1 if fails else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="small shapes only (the CPU interpreter's)")
+    a = p.parse_args()
+    return run(a.device, big=a.device == "cuda" and not a.small)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

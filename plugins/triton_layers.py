@@ -1,0 +1,247 @@
+"""Triton kernels for the decoder layer (CUDA; plugins/layers.py holds the torch reference of each and calls
+these). They round where the reference rounds (to the activations' dtype after each op), so the fast path and
+the reference differ only by the order of float additions. No host reads: every launch is sized by static
+shapes and reads device scalars (the span's committed length n) inside the kernel, so steps stay capturable in
+CUDA graphs and one captured step serves every n.
+
+Per layer: add+RMSNorm, [QKV GEMM], rotary+cache write, attention (+ a combine when the span is split),
+[O GEMM], add+RMSNorm, [gate|up GEMM], activation, [down GEMM]: 9-10 launches."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms(x, w_ptr, cols, col_ok, n_cols, eps, offset):
+    var = tl.sum(x * x, axis=0) / n_cols
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return x * tl.rsqrt(var + eps) * (offset + w)
+
+
+@triton.jit
+def _add_rms_norm_kernel(res_ptr, delta_ptr, w_ptr, dw_ptr, res_out_ptr, h_ptr, n_cols, eps, offset,
+                         HAS_DELTA: tl.constexpr, NORM_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(res_ptr + row * n_cols + cols, mask=ok, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        if NORM_DELTA:
+            d = _rms(d, dw_ptr, cols, ok, n_cols, eps, offset).to(dtype).to(tl.float32)
+        x = (x + d).to(dtype).to(tl.float32)
+        tl.store(res_out_ptr + row * n_cols + cols, x.to(dtype), mask=ok)
+    tl.store(h_ptr + row * n_cols + cols, _rms(x, w_ptr, cols, ok, n_cols, eps, offset).to(dtype), mask=ok)
+
+
+def add_rms_norm(res, delta, w, eps, offset, delta_w=None):
+    import torch
+
+    T, d = res.shape
+    h = torch.empty_like(res)
+    out = torch.empty_like(res) if delta is not None else res
+    _add_rms_norm_kernel[(T,)](res, delta if delta is not None else res, w, delta_w if delta_w is not None else w,
+                               out, h, d, eps, offset, HAS_DELTA=delta is not None, NORM_DELTA=delta_w is not None,
+                               BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+    return out, h
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr,
+                       H, KV, stride_kh, stride_ks, eps,
+                       D: tl.constexpr, QK_NORM: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)  # 0..H-1: a q head; H..H+KV-1: a k head (and its v head)
+    half = tl.arange(0, D // 2)
+    pos = tl.load(pos_ptr + t)
+    row = qkv_ptr + t * (H + 2 * KV) * D + head * D
+    x1 = tl.load(row + half)
+    x2 = tl.load(row + D // 2 + half)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if QK_NORM:  # Gemma: a (1 + w) RMSNorm over the head, rounded, then rotated
+        is_q = head < H
+        w1 = tl.where(is_q, tl.load(qn_ptr + half), tl.load(kn_ptr + half)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qn_ptr + D // 2 + half), tl.load(kn_ptr + D // 2 + half)).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        x1 = (x1 * r * (1.0 + w1)).to(dtype).to(tl.float32)
+        x2 = (x2 * r * (1.0 + w2)).to(dtype).to(tl.float32)
+    c = tl.load(cos_ptr + pos * (D // 2) + half)
+    s = tl.load(sin_ptr + pos * (D // 2) + half)
+    y1 = (x1 * c - x2 * s).to(dtype)
+    y2 = (x2 * c + x1 * s).to(dtype)
+    if head < H:
+        out = q_ptr + (t * H + head) * D
+        tl.store(out + half, y1)
+        tl.store(out + D // 2 + half, y2)
+    else:
+        slot = tl.load(slot_ptr + t)
+        kv = head - H
+        dst = kv * stride_kh + slot * stride_ks
+        tl.store(k_ptr + dst + half, y1)
+        tl.store(k_ptr + dst + D // 2 + half, y2)
+        v = qkv_ptr + t * (H + 2 * KV) * D + (H + KV + kv) * D
+        full = tl.arange(0, D)
+        tl.store(v_ptr + dst + full, tl.load(v + full))
+
+
+def rope_cache_write(qkv, heads, kv_heads, rope, positions, slots, k_cache, v_cache, qk_norm, eps):
+    import torch
+
+    T, D = qkv.shape[0], k_cache.shape[-1]
+    assert qkv.is_contiguous() and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    q = torch.empty(T, heads, D, dtype=qkv.dtype, device=qkv.device)
+    qn, kn = qk_norm if qk_norm is not None else (qkv, qkv)
+    _rope_cache_kernel[(T, heads + kv_heads)](qkv, rope[0], rope[1], positions, slots, q, k_cache, v_cache, qn, kn,
+                                              heads, kv_heads, k_cache.stride(0), k_cache.stride(1), eps,
+                                              D=D, QK_NORM=qk_norm is not None, num_warps=1 if D <= 128 else 2)
+    return q
+
+
+@triton.jit
+def _act_mul_kernel(gu_ptr, out_ptr, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=ok, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=ok, other=0.0)
+    dtype = g.dtype
+    gf = g.to(tl.float32)
+    if GELU:  # tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+        a = 0.5 * gf * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0))
+    else:
+        a = gf * tl.sigmoid(gf)
+    tl.store(out_ptr + row * n_cols + cols, (a.to(dtype).to(tl.float32) * u.to(tl.float32)).to(dtype), mask=ok)
+
+
+def act_mul(gate_up, gelu):
+    import torch
+
+    T, I2 = gate_up.shape
+    out = torch.empty(T, I2 // 2, dtype=gate_up.dtype, device=gate_up.device)
+    BLOCK = 1024
+    _act_mul_kernel[(T, triton.cdiv(I2 // 2, BLOCK))](gate_up, out, I2 // 2, GELU=gelu, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, o_ptr, part_o_ptr, part_ml_ptr,
+                 T, H, m, stride_new, S, split_len, stride_kh, stride_ks, window, scale,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SPLIT: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    """One program: BLOCK_M rows (token t, q head kvh*G + g) of one kv head over one split of the key slots.
+    Keys visible to row t: slots < n, and new slot n + j where new[t, j]; within `window` positions if set."""
+    pid_m, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows // G
+    head = kvh * G + rows % G
+    row_ok = t < T
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + (t * H + head)[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    n = tl.load(n_ptr)
+    t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, T * G - 1) // G
+    # a row sees no new slot after its own (column m - T + t): later slots are skipped, not just masked
+    end = tl.minimum(n + m - T + t_last + 1, S)
+    start = split * split_len
+    stop = tl.minimum(start + split_len, end)
+    if WINDOW:
+        qpos = tl.load(qpos_ptr + t, mask=row_ok, other=0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    kbase = k_ptr + kvh * stride_kh
+    vbase = v_ptr + kvh * stride_kh
+    for s0 in range(start, stop, BLOCK_N):
+        cols = s0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < stop
+        k = tl.load(kbase + cols[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            qk = tl.dot(q, tl.trans(k)) * scale
+        j = cols - n
+        is_new = (j >= 0) & col_ok
+        flag = tl.load(new_ptr + t[:, None] * stride_new + j[None, :], mask=row_ok[:, None] & is_new[None, :], other=0)
+        vis = ((cols < n)[None, :] | (flag != 0)) & col_ok[None, :] & row_ok[:, None]
+        if WINDOW:
+            kpos = tl.load(kpos_ptr + cols, mask=col_ok, other=0)
+            vis = vis & ((qpos[:, None] - kpos[None, :]) < window)
+        qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vbase + cols[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = (t * H + head)[:, None] * D + dims[None, :]
+    if SPLIT:  # unnormalised partials; the combine kernel merges the splits
+        tl.store(part_o_ptr + split * T * H * D + out, acc, mask=row_ok[:, None])
+        ml = (split * T * H + t * H + head) * 2
+        tl.store(part_ml_ptr + ml, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + ml + 1, l_i, mask=row_ok)
+    else:
+        tl.store(o_ptr + out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, TH, n_splits, NSPLIT: tl.constexpr, D: tl.constexpr):
+    r = tl.program_id(0)  # one (token, head) row
+    splits = tl.arange(0, NSPLIT)
+    ok = splits < n_splits
+    ms = tl.load(part_ml_ptr + (splits * TH + r) * 2, mask=ok, other=float("-inf"))
+    ls = tl.load(part_ml_ptr + (splits * TH + r) * 2 + 1, mask=ok, other=0.0)
+    mx = tl.max(ms, axis=0)
+    wgt = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - mx))  # an empty split (past the span) weighs 0
+    dims = tl.arange(0, D)
+    o = tl.load(part_o_ptr + (splits[:, None] * TH + r) * D + dims[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(o * wgt[:, None], axis=0) / tl.sum(ls * wgt, axis=0)
+    tl.store(o_ptr + r * D + dims, o.to(o_ptr.dtype.element_ty))
+
+
+def attention_plan(T: int, G: int, KV: int, S: int, D: int, sms: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, split_len, n_splits): enough programs to fill the GPU when the rows are few (decode,
+    draft steps), one split when the rows alone fill it (prefill). Static in (T, S): capturable."""
+    rows = T * G
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = 64 if D <= 128 else 32
+    programs = triton.cdiv(rows, block_m) * KV
+    want = max(1, min(triton.cdiv(S, block_n), sms // programs))
+    split_len = triton.cdiv(triton.cdiv(S, want), block_n) * block_n
+    return block_m, block_n, split_len, triton.cdiv(S, split_len)
+
+
+def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
+    import torch
+
+    T, H, D = q.shape
+    KV = k_cache.shape[0]
+    G = H // KV
+    new = span.new
+    m = new.shape[1]
+    assert q.is_contiguous() and new.stride(1) == 1 and k_cache.stride(-1) == 1
+    block_m, block_n, split_len, n_splits = attention_plan(T, G, KV, span.S, D)
+    o = torch.empty_like(q)
+    split = n_splits > 1
+    if split:
+        part_o = torch.empty(n_splits, T, H, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(n_splits, T, H, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = o
+    grid = (triton.cdiv(T * G, block_m), KV, n_splits)
+    _attn_kernel[grid](q, k_cache, v_cache, new.view(torch.uint8), q_pos, k_pos, span.n, o, part_o, part_ml,
+                       T, H, m, new.stride(0), span.S, split_len, k_cache.stride(0), k_cache.stride(1), window, scale,
+                       G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, WINDOW=window > 0,
+                       IEEE=q.dtype == torch.float32, num_warps=4)
+    if split:
+        _combine_kernel[(T * H,)](part_o, part_ml, o, T * H, n_splits, NSPLIT=triton.next_power_of_2(n_splits), D=D,
+                                  num_warps=1)
+    return o

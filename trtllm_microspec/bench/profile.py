@@ -1,0 +1,172 @@
+"""`microspec profile`: where a decode step's time goes on the GPU, for a real engine (a random EAGLE head).
+
+Phases, each the median of --iters CUDA-graph replays timed with CUDA events, and the number of GPU kernels it
+launches (counted with torch.profiler on one eager run): one AR step (1 token + LM head + argmax), one tree
+verify (--tree nodes + LM head), one EAGLE-2 draft phase (depth + 1 draft forwards and full-vocabulary heads),
+and a prefill of --prefill tokens. Each on the Triton layer kernels and on the torch reference (the plain path)
+in the same run. Then one decoder layer at T = 1, piece by piece: time, the bytes it must move (weights, the KV
+it reads) and the bandwidth against the 4.2 TB/s copy bandwidth. --context committed tokens precede each step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from plugins import layers
+
+from ..models.model import Span
+from ..models.registry import UserError
+from ..spec.tree import TreeConfig, causal, draft_tree, verify
+from .kernels import COPY_BW, Timer
+
+
+def count_kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memset"))
+
+
+def random_tree(g: torch.Generator, N: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    anc = torch.eye(N, dtype=torch.bool)
+    for i in range(1, N):
+        anc[i] |= anc[int(torch.randint(max(1, i - 8), i, (1,), generator=g))]  # depth grows like a real tree
+    return anc.to(dev), (anc.sum(1) - 1).to(dev)
+
+
+def run(a) -> None:
+    if not torch.cuda.is_available():
+        raise UserError("profile needs a CUDA GPU")
+    from ..engine.loader import load_target
+    from ..llm import resolve_engine
+    from ..spec.eagle import EagleDraft, draft_config
+    from ..vocab.strategies import FullVocab
+
+    dev = torch.device("cuda")
+    target, _ = load_target(resolve_engine(a.engine), dev, torch.bfloat16, None)
+    c = target.cfg
+    torch.manual_seed(0)
+    draft = EagleDraft(draft_config(c), bias=False).setup(target, torch.bfloat16, dev)
+    vocab = FullVocab(target.head_weight)
+    g = torch.Generator().manual_seed(0)
+    L, n = a.prefill, torch.tensor(a.context, device=dev)
+    ids = torch.randint(c.vocab_size, (max(L, a.context),), generator=g).to(dev)
+    S = a.context + 256
+    anc, depth = random_tree(g, a.tree, dev)
+    tree_tokens = torch.randint(c.vocab_size, (a.tree,), generator=g).to(dev)
+    root = ids[:1].clone()
+    h_last = torch.randn(c.hidden_size, generator=g).to(dev, torch.bfloat16)
+    cfg = TreeConfig()
+    one = causal(1, dev)
+    with torch.no_grad():  # fill the caches so the steps attend over real keys
+        pos = torch.arange(a.context, device=dev)
+        target(ids[:a.context], pos, pos, Span(torch.tensor(0, device=dev), causal(a.context, dev), a.context))
+
+    from ..spec.tree import Tree
+
+    tree = Tree(tokens=tree_tokens, parent=torch.zeros_like(depth), depth=depth, anc=anc)
+    phases = {
+        "AR step (1 token + head + argmax)": lambda: target.logits(target(root, n.view(1), n.view(1),
+                                                                         Span(n, one, S))).argmax(-1),
+        f"tree verify ({a.tree} tokens + head)": lambda: verify(target, tree, n, S),
+        f"draft phase (depth {cfg.depth}, top-{cfg.top_k}, full head)": lambda: draft_tree(draft, vocab, h_last, root,
+                                                                                         n, S, cfg),
+        f"prefill ({L} tokens)": lambda: target(ids[:L], torch.arange(L, device=dev), torch.arange(L, device=dev),
+                                                Span(torch.tensor(0, device=dev), causal(L, dev), L)),
+    }
+    timer = Timer(a.iters)
+    rows = []
+    for name, fn in phases.items():
+        for path, use in (("triton", True), ("reference", False)):
+            with layers.path(use), torch.no_grad():
+                ms = timer(fn) / 1e3
+                k = count_kernels(fn)
+            rows.append(dict(phase=name, path=path, ms=ms, kernels=k))
+            print(f"profile: {name:48s} {path:9s} {ms:8.3f} ms {k:6d} kernels", flush=True)
+    layer_rows = layer_table(target, n, S, timer)
+    meta = dict(engine=str(a.engine), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                context=a.context, iters=a.iters, weights_gb=sum(p.numel() * 2 for p in target.parameters()) / 1e9)
+    text = markdown(rows, layer_rows, meta)
+    print(text)
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, phases=rows, layer=layer_rows), indent=1))
+
+
+def layer_table(target, n, S, timer) -> list[dict]:
+    """Layer 0 at T = 1, one piece at a time, on the Triton path."""
+    c, layer = target.cfg, target.layers[0]
+    at, mlp = layer.self_attn, layer.mlp
+    dev = n.device
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(1, c.hidden_size, generator=g, device=dev).to(torch.bfloat16)
+    qkv = at.qkv_proj(x)
+    q = torch.randn(1, c.num_heads, c.head_dim, generator=g, device=dev).to(torch.bfloat16)
+    o = q.reshape(1, -1)
+    gu = mlp.gate_up_proj(x)
+    act = gu[:, : c.intermediate_size].contiguous()
+    pos = n.view(1)
+    span = Span(n, causal(1, dev), S)
+    k, v = target.cache.k[0], target.cache.v[0]
+    norm = layer.post_attention_layernorm
+    kv_bytes = 2 * c.num_kv_heads * (int(n) + 1) * c.head_dim * 2
+
+    def wbytes(m):
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    pieces = [
+        ("add + RMSNorm", lambda: layers.add_rms_norm(x, x, norm.weight, norm.eps, norm.offset), 3 * x.numel() * 2),
+        ("QKV GEMM (+bias)", lambda: at.qkv_proj(x), wbytes(at.qkv_proj)),
+        ("rotary + KV write", lambda: layers.rope_cache_write(qkv, at.h, at.kv, target.rope_global, pos, pos, k, v,
+                                                             None, at.eps), qkv.numel() * 4),
+        ("attention", lambda: layers.attention(q, k, v, span, pos, target.cache.pos, 0, at.scale), kv_bytes),
+        ("O GEMM", lambda: at.o_proj(o), wbytes(at.o_proj)),
+        ("gate|up GEMM", lambda: mlp.gate_up_proj(x), wbytes(mlp.gate_up_proj)),
+        ("SiLU x up", lambda: layers.act_mul(gu, False), gu.numel() * 2 * 3 // 2),
+        ("down GEMM", lambda: mlp.down_proj(act), wbytes(mlp.down_proj)),
+        ("whole layer", lambda: layer(x, x, None, (target.rope_global, pos, pos, span, target.cache.pos, 0, k, v)),
+         wbytes(layer) + kv_bytes),
+    ]
+    out = []
+    with layers.path(True), torch.no_grad():
+        for name, fn, nbytes in pieces:
+            us = timer(fn)
+            out.append(dict(piece=name, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3,
+                            pct_copy=100 * nbytes / us / 1e6 / (COPY_BW / 1e12)))
+    return out
+
+
+def markdown(rows, layer_rows, meta) -> str:
+    floor_ms = meta["weights_gb"] * 1e9 / COPY_BW * 1e3
+    lines = [f"# profile of {meta['engine']} on {meta['device']}", "",
+             f"torch {meta['torch']}; {meta['context']} committed tokens; medians of {meta['iters']} CUDA-graph "
+             f"replays (L2 flushed before each); kernels counted on one eager run. Weights {meta['weights_gb']:.2f} GB:"
+             f" byte floor of a step {floor_ms:.3f} ms at {COPY_BW / 1e12:.1f} TB/s.", "",
+             "| phase | path | ms | kernels | x floor |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['phase']} | {r['path']} | {r['ms']:.3f} | {r['kernels']} | {r['ms'] / floor_ms:.2f} |")
+    lines += ["", "One decoder layer (layer 0) at T = 1 on the Triton path:", "",
+              "| piece | us | MB moved | GB/s | % copy BW |", "|---|---:|---:|---:|---:|"]
+    for r in layer_rows:
+        lines.append(f"| {r['piece']} | {r['us']:.1f} | {r['mb']:.2f} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("profile", help="per-phase GPU time and kernel counts of a decode step, and one layer's pieces",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", default="qwen2.5-coder-1.5b", help="engine directory or model key")
+    p.add_argument("--context", type=int, default=512, help="committed tokens before the step")
+    p.add_argument("--tree", type=int, default=60, help="tree-verify tokens")
+    p.add_argument("--prefill", type=int, default=1000, help="prefill tokens")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", help="write the markdown here and JSON beside it")
+    p.set_defaults(func=run)
