@@ -134,7 +134,8 @@ def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_draft, "EVAL_CATEGORIES", ("qa",))  # one short prompt: the CPU is slow
     main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "6",
           "--max-len", "64", "--steps", "1", "--batch-tokens", "64", "--ttt-steps", "1", "--device", "cpu",
-          "--eval", "--eval-tokens", "8"])
+          "--save-every", "0", "--eval", "--eval-tokens", "8"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["steps"] == 1 and len(r["heldout_acc"]) == EVAL_DEPTHS
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no checkpoint
     assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())

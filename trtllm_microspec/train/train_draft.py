@@ -8,12 +8,12 @@ input token i+1 belongs to an assistant turn (that is where the draft drafts at 
 get uniform noise, as EAGLE's training does.
 
 Training-time test (HASS / EAGLE-3; --ttt-steps, 1 = EAGLE's single-step recipe): the draft is unrolled as the tree
-drafts it. Step s of row i sits at position i+s, reads token i+s+1 and the draft's own output of step s-1 (step 0:
-the target's feature i), and attends to what a tree node at depth s sees: the committed rows <= i of step 0
-(causal within the conversation) and its own path, the steps 1..s of row i. It predicts feature i+s+1 and the
-target's distribution there. Step s's loss is weighted 0.8^s (EAGLE-3): a node at depth s only counts when its
-ancestors were accepted. Held-out accuracy is reported at depths 1..5 (the unrolled steps, top-1 draft argmax ==
-target argmax) whatever --ttt-steps is, so runs with different settings compare.
+drafts it. Step s of row i sits at position i+s, reads token i+s+1 (the data's) and the draft's own output of
+step s-1 (step 0: the target's feature i), and attends to what a tree node at depth s sees: the committed rows
+<= i of step 0 (causal within the conversation) and its own path, the steps 1..s of row i. It predicts feature
+i+s+1 and the target's distribution there. Step s's loss is weighted 0.8^s (EAGLE-3): a node at depth s only
+counts when its ancestors were accepted. Held-out accuracy is reported at depths 1..5 (the unrolled steps, top-1
+draft argmax == target argmax) whatever --ttt-steps is, so runs with different settings compare.
 
 Data: every ShareGPT conversation (or the first --conversations) rendered with the target's chat template (the
 assistant turns are ChatGPT's, as in EAGLE), tokenised in parallel (tokenizers' encode_batch), cut at --max-len
@@ -25,8 +25,8 @@ token would not fit). The last --heldout fraction of the conversations is held o
 Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs; with --time-limit the plan
 is cut, after a few measured steps, to the steps that fit before the limit, so the cosine ends when time does
 (the clock counts the whole command, caching included; a hard stop still applies). A checkpoint (fp32 weights +
-optimizer + plan) is written to <out>/checkpoint.pt every --save-every steps; --resume continues from it, and the
-data order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
+optimizer + plan) is written to <out>/checkpoint.pt every --save-every steps (0: never); --resume continues from
+it, and the data order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
 --eval then measures the head's acceptance length on one question of each Spec-Bench category and HumanEval.
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ class Pack:
         return ok & (self.doc.roll(-ahead) == self.doc) & self.assistant.roll(-ahead)
 
 
-def tokenize(tok: Tokenizer, conversations: list[list[dict]], max_len: int, desc: str) -> list[tuple[np.ndarray, np.ndarray]]:
+def tokenize(tok: Tokenizer, conversations: list[list[dict]], max_len: int,
+             desc: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """Render each conversation with the chat template -> (token ids, assistant-token mask), cut at max_len.
     A token is an assistant token if it starts inside an assistant message's content, or is the first token
     after it (the end-of-turn the draft must also predict). apply_chat appends a generation prompt; its tokens
@@ -259,8 +260,8 @@ def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack]) -> dict:
             sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None)]
     draft.train()
     n = np.maximum(sums[:, 3], 1.0)
-    return {"loss": float(sums[0, 0] + CE_WEIGHT * sums[0, 1]) / n[0], "acc": [round(float(a), 4) for a in sums[:, 2] / n],
-            "positions": int(sums[0, 3])}
+    return {"loss": float(sums[0, 0] + CE_WEIGHT * sums[0, 1]) / n[0],
+            "acc": [round(float(a), 4) for a in sums[:, 2] / n], "positions": int(sums[0, 3])}
 
 
 @functools.lru_cache(maxsize=2)
@@ -391,7 +392,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(correct) / n:.3f}", lr=f"{lr_at(step, plan, lr):.1e}",
                         tok_per_s=f"{seen / max(bar.format_dict['elapsed'], 1e-9):.3g}")
         stop = time_limit is not None and now - t0 > time_limit  # the plan is an estimate; the limit is not
-        if done % save_every == 0 or done == plan or stop:
+        if save_every and (done % save_every == 0 or done == plan or stop):
             out.mkdir(parents=True, exist_ok=True)
             torch.save({"key": key, "step": done, "plan": plan, "draft": draft.state_dict(),
                         "opt": opt.state_dict()}, out / CHECKPOINT)
@@ -443,7 +444,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
-    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps; 0: none (e.g. when "
+                                                               "--out is the package's shipped head)")
     p.add_argument("--heldout", type=float, default=0.02, help="fraction of the conversations held out")
     p.add_argument("--time-limit", type=float, help="seconds of wall time since the start (caching included) by "
                                                     "which training ends: the schedule is fitted to it")
