@@ -326,6 +326,9 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     t0 = perf_counter()
     if ttt_steps < 1:
         raise UserError("--ttt-steps must be at least 1")
+    if eval_tokens:
+        from ..bench.specbench import data_dir
+        data_dir(None)  # no Spec-Bench data is an error now, not after the training
     engine_dir, out = resolve_engine(engine), Path(out)
     dev, dtype = pick_device(device)
     torch.manual_seed(seed)
