@@ -67,7 +67,8 @@ def check_rope(dev, dtype, g, H: int, KV: int, D: int, qk_norm: bool) -> float:
     qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dev, dtype)
     ang = torch.rand(S, D // 2, generator=g).to(dev) * 6
     rope = (ang.cos(), ang.sin())
-    pos = torch.randint(S, (T,), generator=g).to(dev)
+    # one position for every row, expanded (stride 0), as the draft's expansion steps pass it
+    pos = torch.randint(S, (1,), generator=g).to(dev).expand(T) if qk_norm else torch.randint(S, (T,), generator=g).to(dev)
     slots = torch.randperm(S, generator=g)[:T].to(dev)
     norms = tuple(torch.randn(D, generator=g).to(dev, dtype) for _ in range(2)) if qk_norm else None
     outs = []
@@ -99,6 +100,8 @@ def check_attention(dev, dtype, g, H: int, KV: int, D: int, T: int, n: int, S: i
     v = torch.randn(KV, Smax, D, generator=g).to(dev, dtype)
     k_pos = torch.randperm(Smax, generator=g).to(dev)  # slots need not hold increasing positions
     q_pos = torch.randint(Smax, (T,), generator=g).to(dev)
+    if kind == "draft":  # one position expanded over the rows (stride 0), as draft_tree passes it
+        q_pos = q_pos[:1].expand(T)
     span = Span(torch.tensor(n, device=dev), new.to(dev), S)
     scale = D ** -0.5
     with layers.path(True):

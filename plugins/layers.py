@@ -16,12 +16,13 @@ _FAST = None  # Triton importable and not switched off (decided on first use)
 _FORCE: bool | None = None  # set by `path()`: the checks run one path whatever the device
 
 
-def fast(x: torch.Tensor) -> bool:
-    """Use the Triton kernels for this call: CUDA tensors, no autograd, Triton importable."""
+def fast(*tensors: torch.Tensor | None) -> bool:
+    """Use the Triton kernels for this call: CUDA tensors that autograd does not track, Triton importable."""
     global _FAST
     if _FORCE is not None:
         return _FORCE
-    if not x.is_cuda or torch.is_grad_enabled():
+    ts = [t for t in tensors if t is not None]
+    if not ts[0].is_cuda or (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
         return False
     if _FAST is None:
         try:
@@ -78,7 +79,7 @@ def add_rms_norm(res: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
                  delta_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """res + delta (delta first normed by delta_w: Gemma's post-norms), and the RMSNorm of that sum by w.
     Returns (new residual, normed). delta None: just the norm of res."""
-    if fast(res):
+    if fast(res, delta, w, delta_w):
         from .triton_layers import add_rms_norm as kernel
         return kernel(res, delta, w, eps, offset, delta_w)
     if delta is not None:
@@ -98,7 +99,7 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, kv_heads: int, rope: tuple[t
                      qk_norm: tuple[torch.Tensor, torch.Tensor] | None, eps: float) -> torch.Tensor:
     """qkv [T, (H + 2 KV) * D] from the fused projection -> rotated q [T, H, D]; rotated k and v written into the
     caches [KV, S_max, D] at `slots`. qk_norm: Gemma's per-head (1 + w) RMSNorm of q and k, before the rotation."""
-    if fast(qkv):
+    if fast(qkv, *(qk_norm or ())):
         from .triton_layers import rope_cache_write as kernel
         return kernel(qkv, heads, kv_heads, rope, positions, slots, k_cache, v_cache, qk_norm, eps)
     T, D = qkv.shape[0], k_cache.shape[-1]
@@ -125,7 +126,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
               k_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
     """q [T, H, D] over the caches [KV, S_max, D] (GQA: q head h reads kv head h // (H / KV)) as `span` says,
     keys at most window - 1 positions back when window > 0 -> [T, H, D]."""
-    if fast(q):
+    if fast(q, k_cache, v_cache):
         from .triton_layers import attention as kernel
         return kernel(q, k_cache, v_cache, span, q_pos, k_pos, window, scale)
     S = span.S

@@ -41,6 +41,7 @@ def add_rms_norm(res, delta, w, eps, offset, delta_w=None):
     import torch
 
     T, d = res.shape
+    assert res.is_contiguous() and (delta is None or delta.is_contiguous())
     h = torch.empty_like(res)
     out = torch.empty_like(res) if delta is not None else res
     _add_rms_norm_kernel[(T,)](res, delta if delta is not None else res, w, delta_w if delta_w is not None else w,
@@ -51,12 +52,12 @@ def add_rms_norm(res, delta, w, eps, offset, delta_w=None):
 
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr,
-                       H, KV, stride_kh, stride_ks, eps,
+                       H, KV, stride_pos, stride_slot, stride_kh, stride_ks, eps,
                        D: tl.constexpr, QK_NORM: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: a q head; H..H+KV-1: a k head (and its v head)
     half = tl.arange(0, D // 2)
-    pos = tl.load(pos_ptr + t)
+    pos = tl.load(pos_ptr + t * stride_pos)  # strided: the draft passes one position expanded over its rows
     row = qkv_ptr + t * (H + 2 * KV) * D + head * D
     x1 = tl.load(row + half)
     x2 = tl.load(row + D // 2 + half)
@@ -78,7 +79,7 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
         tl.store(out + half, y1)
         tl.store(out + D // 2 + half, y2)
     else:
-        slot = tl.load(slot_ptr + t)
+        slot = tl.load(slot_ptr + t * stride_slot)
         kv = head - H
         dst = kv * stride_kh + slot * stride_ks
         tl.store(k_ptr + dst + half, y1)
@@ -96,7 +97,8 @@ def rope_cache_write(qkv, heads, kv_heads, rope, positions, slots, k_cache, v_ca
     q = torch.empty(T, heads, D, dtype=qkv.dtype, device=qkv.device)
     qn, kn = qk_norm if qk_norm is not None else (qkv, qkv)
     _rope_cache_kernel[(T, heads + kv_heads)](qkv, rope[0], rope[1], positions, slots, q, k_cache, v_cache, qn, kn,
-                                              heads, kv_heads, k_cache.stride(0), k_cache.stride(1), eps,
+                                              heads, kv_heads, positions.stride(0), slots.stride(0),
+                                              k_cache.stride(0), k_cache.stride(1), eps,
                                               D=D, QK_NORM=qk_norm is not None, num_warps=1 if D <= 128 else 2)
     return q
 
@@ -122,6 +124,7 @@ def act_mul(gate_up, gelu):
     import torch
 
     T, I2 = gate_up.shape
+    assert gate_up.is_contiguous()
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
     _act_mul_kernel[(T, triton.cdiv(I2 // 2, BLOCK))](gate_up, out, I2 // 2, GELU=gelu, BLOCK=BLOCK, num_warps=4)
@@ -130,7 +133,7 @@ def act_mul(gate_up, gelu):
 
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, o_ptr, part_o_ptr, part_ml_ptr,
-                 T, H, m, stride_new, S, split_len, stride_kh, stride_ks, window, scale,
+                 T, H, m, stride_new, stride_qpos, S, split_len, stride_kh, stride_ks, window, scale,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  SPLIT: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
     """One program: BLOCK_M rows (token t, q head kvh*G + g) of one kv head over one split of the key slots.
@@ -149,7 +152,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, o_ptr,
     start = split * split_len
     stop = tl.minimum(start + split_len, end)
     if WINDOW:
-        qpos = tl.load(qpos_ptr + t, mask=row_ok, other=0)
+        qpos = tl.load(qpos_ptr + t * stride_qpos, mask=row_ok, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -227,7 +230,7 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
     G = H // KV
     new = span.new
     m = new.shape[1]
-    assert q.is_contiguous() and new.stride(1) == 1 and k_cache.stride(-1) == 1
+    assert q.is_contiguous() and new.stride(1) == 1 and k_cache.stride(-1) == 1 and k_pos.stride(0) == 1
     block_m, block_n, split_len, n_splits = attention_plan(T, G, KV, span.S, D)
     o = torch.empty_like(q)
     split = n_splits > 1
@@ -238,7 +241,7 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
         part_o = part_ml = o
     grid = (triton.cdiv(T * G, block_m), KV, n_splits)
     _attn_kernel[grid](q, k_cache, v_cache, new.view(torch.uint8), q_pos, k_pos, span.n, o, part_o, part_ml,
-                       T, H, m, new.stride(0), span.S, split_len, k_cache.stride(0), k_cache.stride(1), window, scale,
+                       T, H, m, new.stride(0), q_pos.stride(0), span.S, split_len, k_cache.stride(0), k_cache.stride(1), window, scale,
                        G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, WINDOW=window > 0,
                        IEEE=q.dtype == torch.float32, num_warps=4)
     if split:

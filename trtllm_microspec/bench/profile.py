@@ -36,7 +36,7 @@ def count_kernels(fn) -> int:
 def random_tree(g: torch.Generator, N: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     anc = torch.eye(N, dtype=torch.bool)
     for i in range(1, N):
-        anc[i] |= anc[int(torch.randint(max(1, i - 8), i, (1,), generator=g))]  # depth grows like a real tree
+        anc[i] |= anc[int(torch.randint(max(0, i - 8), i, (1,), generator=g))]  # depth grows like a real tree
     return anc.to(dev), (anc.sum(1) - 1).to(dev)
 
 
