@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,128 @@ def test_bad_input(args, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--out", str(tmp_path), *args])
     assert e.value.code == 2 and "microspec: error:" in capsys.readouterr().err
+
+
+# ---- outside references: hf-compiled on the CPU, the conversions vLLM loads (vLLM itself runs on the GPU only)
+
+def test_hf_compiled_equals_hf_with_one_compilation(engine_dir):
+    from trtllm_microspec.bench.references import HFCompiled, HFReference
+
+    hc = HFCompiled(str(engine_dir), "cpu", None)  # its eager model is the `hf` reference's
+    for i, prompt in enumerate(["What is 2+2?", "Name three colours of the rainbow, please."]):
+        # after the first prompt, a prompt of another length must reuse the compiled step
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = hc.generate(prompt, 8)
+        want = HFReference.generate(hc, prompt, 8)
+        assert got.token_ids == want.token_ids and got.num_new_tokens == 8, prompt
+        assert got.stats["method"] == "hf-compiled" and got.stats["wall_s"] > 0
+
+
+def test_bench_table_has_the_references(engine_dir, tmp_path):
+    main(["bench", "--engine", str(engine_dir), "--device", "cpu", "--categories", "qa", "--limit", "1",
+          "--max-new-tokens", "4", "--warmup", "1", "--methods", "ar,hf-compiled", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    ref = res["runs"]["hf-compiled"]["summary"]["overall"]
+    assert list(res["runs"]) == ["ar", "hf-compiled"] and ref["new_tokens"] == 4
+    speed = ref["speed"] / res["runs"]["ar"]["summary"]["overall"]["speed"]
+    assert ref["speedup"] == pytest.approx(speed)
+    md = (tmp_path / "results.md").read_text()
+    assert f"| hf-compiled | {ref['speed']:.1f} | {ref['speed']:.1f} |" in md
+    assert f"| hf-compiled | {ref['speedup']:.2f} | {ref['speedup']:.2f} |" in md
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_missing_is_a_one_line_error(tmp_path, capsys):
+    for method in ("vllm", "vllm-eagle"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--device", "cpu", "--methods", f"ar,{method}", "--out", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("microspec: error: vllm is not installed")
+        assert not (tmp_path / "results.json").exists()  # refused before any run
+
+
+def test_engine_to_hf_dir_loads_in_transformers(engine_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trtllm_microspec import LLM
+    from trtllm_microspec.bench.references import engine_to_hf
+
+    d = engine_to_hf(engine_dir, tmp_path / "hf")
+    assert json.loads((d / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    sd = hf.state_dict()
+    engine = load_file(engine_dir / "model.safetensors")
+    assert all(torch.equal(sd[f"model.{k}"], v.float()) for k, v in engine.items())
+    assert torch.equal(hf.lm_head.weight, engine["embed_tokens.weight"].float())  # tied, as in the engine
+    llm = LLM(str(engine_dir), method="ar", device="cpu")
+    ours = llm.generate("Why is the sky blue?", 12, chat=True)
+    ids = torch.tensor([llm.prompt_ids("Why is the sky blue?", chat=True)])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          eos_token_id=read_config(engine_dir).eos_ids)
+    assert out[0, ids.shape[1]:].tolist() == ours.token_ids and len(ours.token_ids) > 1
+
+
+# what vLLM 0.26's EagleLlamaForCausalLM (model_executor/models/llama_eagle.py) loads for smollm2's head: fc without
+# bias, one Llama layer with no input norm (an Identity there); embed_tokens and lm_head are the target's
+SMOLLM2_EAGLE = {"fc.weight": (576, 1152), "layers.0.self_attn.q_proj.weight": (576, 576),
+                 "layers.0.self_attn.k_proj.weight": (192, 576), "layers.0.self_attn.v_proj.weight": (192, 576),
+                 "layers.0.self_attn.o_proj.weight": (576, 576), "layers.0.mlp.gate_proj.weight": (1536, 576),
+                 "layers.0.mlp.up_proj.weight": (1536, 576), "layers.0.mlp.down_proj.weight": (576, 1536),
+                 "layers.0.post_attention_layernorm.weight": (576,)}
+
+
+def test_shipped_head_to_vllm_eagle(engine_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    import trtllm_microspec
+    from trtllm_microspec.bench.references import eagle_to_vllm
+
+    head = Path(trtllm_microspec.__file__).parent / "drafts" / "smollm2-135m"
+    out = eagle_to_vllm(head, engine_dir, tmp_path / "eagle")
+    sd, src = load_file(out / "model.safetensors"), load_file(head / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in sd.items()} == SMOLLM2_EAGLE
+    assert all(torch.equal(v, src[k]) for k, v in sd.items())
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 1 and not cfg["qkv_bias"] and not cfg["attention_bias"]
+    assert "bias" not in cfg  # vLLM's Llama layer reads a "bias" key as "every attention projection has a bias"
+    hf = json.loads((engine_dir / "source.json").read_text())["hf_config"]
+    for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "rope_parameters", "vocab_size"):
+        assert cfg[k] == hf[k], k
+
+
+def test_fc_bias_fold_is_exact(engine_dir, tmp_path):
+    """A head with fc.bias b and Qwen-style q/k/v biases: vLLM's layer without fc.bias, with the folded biases,
+    computes the same q/k/v and the same residual stream (fc output + attention output) as ours."""
+    from safetensors.torch import load_file
+
+    from trtllm_microspec.bench.references import eagle_to_vllm, vllm_eagle_params
+    from trtllm_microspec.models.model import ModelConfig
+    from trtllm_microspec.spec.eagle import EagleDraft, draft_config, save_draft
+
+    torch.manual_seed(0)
+    cfg = draft_config(ModelConfig.load(engine_dir / "config.json"))
+    cfg.attention_bias = True
+    save_draft(EagleDraft(cfg, bias=True), tmp_path / "head", engine_dir)
+    ours = {k: v.double() for k, v in load_file(tmp_path / "head" / "model.safetensors").items()}
+    out = eagle_to_vllm(tmp_path / "head", engine_dir, tmp_path / "eagle")
+    vcfg = json.loads((out / "config.json").read_text())
+    assert vcfg["qkv_bias"] and vcfg["attention_bias"]
+    theirs = {k: v.double() for k, v in load_file(out / "model.safetensors").items()}
+    assert {k: tuple(v.shape) for k, v in theirs.items()} == vllm_eagle_params(vcfg)
+    assert ours["fc.bias"].abs().max() > 0.01
+    x = torch.randn(5, 2 * cfg.hidden_size, dtype=torch.float64)
+    h_ours = x @ ours["fc.weight"].T + ours["fc.bias"]
+    h_theirs = x @ theirs["fc.weight"].T
+    p = "layers.0.self_attn."
+    for n in ("q", "k", "v"):
+        w = f"{p}{n}_proj.weight"
+        want = h_ours @ ours[w].T + ours[f"{p}{n}_proj.bias"]
+        got = h_theirs @ theirs[w].T + theirs[f"{p}{n}_proj.bias"]
+        assert torch.allclose(got, want, rtol=0, atol=1e-5), n  # fp32 rounding of the folded bias only
+    a = torch.randn(5, cfg.num_heads * cfg.head_dim, dtype=torch.float64)  # any attention output
+    o = a @ ours[f"{p}o_proj.weight"].T
+    assert torch.allclose(h_theirs + o + theirs[f"{p}o_proj.bias"], h_ours + o, rtol=0, atol=1e-12)

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from ..models.registry import UserError
+from .references import HF, HF_COMPILED, REFERENCES, VLLM, VLLM_EAGLE, make_reference, require_vllm
 
 SPEC_BENCH = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 CATEGORIES = SPEC_BENCH + ("code",)
 # Spec-Bench reports MT-bench's 8 categories as one
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-HF = "hf"  # transformers' own generate, an outside reference
 WARMUP_TOKENS = 64  # warm-up only has to touch every kernel and allocation once, not generate a full answer
 
 
@@ -61,55 +61,16 @@ def load_questions(data: Path, categories: list[str], limit: int | None) -> list
     return [q for c in categories for q in by_cat[c][:limit]]
 
 
-class HFReference:
-    """transformers' own `generate` on the engine's dense weights (source.json keeps the original HF config)."""
-
-    def __init__(self, engine: str, device: str | None, dtype: str | None):
-        import transformers
-        from safetensors.torch import load_file
-
-        from ..engine.loader import pick_device, read_config
-        from ..llm import resolve_engine
-        from ..models.tokenizer import Tokenizer
-
-        d = resolve_engine(engine)
-        self.device, dtype = pick_device(device, dtype)
-        hf = dict(json.loads((d / "source.json").read_text())["hf_config"])
-        cfg = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-        with torch.device(self.device):
-            self.model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-        # engine tensors are HF names without the "model." prefix
-        sd = {k if k.startswith("lm_head.") else f"model.{k}": v for k, v in load_file(d / "model.safetensors").items()}
-        missing, unexpected = self.model.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-        if missing or unexpected:
-            raise UserError(f"{d} does not map onto transformers' {cfg.model_type}: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
-        self.tokenizer = Tokenizer(d)
-        self.eos_ids = read_config(d).eos_ids
-
-    @torch.inference_mode()
-    def generate(self, prompt, max_new_tokens: int, chat: bool = True):
-        from ..llm import Result
-
-        ids = torch.tensor([self.tokenizer.prompt_ids(prompt, chat)], device=self.device)
-        t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  do_sample=False, eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
-        new = out[0, ids.shape[1]:].tolist()
-        return Result(text=self.tokenizer.decode(new), token_ids=new, num_new_tokens=len(new),
-                      stats={"method": HF, "new_tokens": len(new), "wall_s": time.perf_counter() - t0})
-
-
 def build_runs(a) -> list[dict]:
     """One entry per model configuration to measure: AR first, as every other run is compared with it, the outside
-    reference (hf) last. A sweep point equal to the main run's setting is not run twice."""
-    runs = [{"label": m, "method": m} for m in dict.fromkeys(["ar", *a.methods]) if m != HF]
+    references (hf, hf-compiled, vllm, vllm-eagle) last. A sweep point equal to the main run's setting is not run
+    twice."""
+    runs = [{"label": m, "method": m} for m in dict.fromkeys(["ar", *a.methods]) if m not in REFERENCES]
     runs += [{"label": f"frspec@K={k}", "method": "frspec", "static_k": k}
              for k in a.frspec_k if not (k == a.static_k and "frspec" in a.methods)]
     runs += [{"label": f"microspec@W={w}", "method": "microspec", "w_max": w}
              for w in a.w_max_sweep if not (w == a.w_max and "microspec" in a.methods)]
-    runs += [{"label": HF, "method": HF}] if HF in a.methods else []
+    runs += [{"label": m, "method": m} for m in dict.fromkeys(a.methods) if m in REFERENCES]
     for r in runs:
         r.setdefault("static_k", a.static_k)
         r.setdefault("w_max", a.w_max)
@@ -117,8 +78,8 @@ def build_runs(a) -> list[dict]:
 
 
 def make_model(a, run: dict):
-    if run["method"] == HF:
-        return HFReference(a.engine, a.device, a.dtype)
+    if run["method"] in REFERENCES:
+        return make_reference(run["method"], a)
     from ..cli import llm_from_args
 
     return llm_from_args(argparse.Namespace(**{**vars(a), "w_max": run["w_max"], "static_k": run["static_k"]}),
@@ -250,8 +211,10 @@ def cmd_bench(a) -> None:
     from ..vocab.strategies import METHODS
 
     for m in a.methods:
-        if m not in METHODS + (HF,):
-            raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS + (HF,))}")
+        if m not in METHODS + REFERENCES:
+            raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS + REFERENCES)}")
+    if {VLLM, VLLM_EAGLE} & set(a.methods):
+        require_vllm()  # before any run: the whole benchmark was asked for with it
     for c in a.categories:
         if c not in CATEGORIES:
             raise UserError(f"unknown category {c!r}; choose from {', '.join(CATEGORIES)}")
@@ -268,8 +231,8 @@ def cmd_bench(a) -> None:
         f"{', '.join(r['label'] for r in runs)}")
     for i, run in enumerate(runs, 1):
         label = run.pop("label")
-        if run["method"] == HF and importlib.util.find_spec("transformers") is None:
-            res["notes"].append("hf skipped: transformers is not installed")
+        if run["method"] in (HF, HF_COMPILED) and importlib.util.find_spec("transformers") is None:
+            res["notes"].append(f"{label} skipped: transformers is not installed")
             log(res["notes"][-1])
             continue
         log(f"run {i}/{len(runs)} {label}: loading the model")
@@ -280,6 +243,8 @@ def cmd_bench(a) -> None:
             ar_ids = ids
             res["device"] = str(model.device)
             res["static_coverage"] = static_coverage_of(model.engine_dir, ar_ids, questions, res["notes"])
+        if hasattr(model, "close"):  # vLLM frees its process-wide state only when asked
+            model.close()
         del model
         gc.collect()
         if torch.cuda.is_available():
@@ -339,7 +304,8 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_llm_args(p)  # --method is not used here: --methods lists what to run
     p.add_argument("--methods", type=_names, default=["ar", "eagle", "frspec", "microspec"],
-                   help="comma list of ar, eagle, frspec, microspec, ctx-only, ext-only, naive, hf (AR always runs)")
+                   help="comma list of ar, eagle, frspec, microspec, ctx-only, ext-only, naive and the outside "
+                        "references hf, hf-compiled, vllm, vllm-eagle (AR always runs)")
     p.add_argument("--categories", type=_names, default=list(CATEGORIES), help=f"comma list of {', '.join(CATEGORIES)}")
     p.add_argument("--limit", type=int, help="questions per category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
