@@ -120,7 +120,7 @@ def tokenize(tok: Tokenizer, conversations: list[list[dict]], max_len: int,
                 tokens += len(ids)
         bar.update(len(convs))
         bar.set_postfix(tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.3g}")
-    bar.close()
+    _close(bar, tokens)
     return out
 
 
@@ -146,6 +146,14 @@ def pack(seqs: list[tuple[np.ndarray, np.ndarray]], max_len: int, device) -> lis
     return packs
 
 
+def _close(bar: tqdm, tokens: int) -> None:
+    """End a stage's progress bar with one line of its throughput (kept when logs drop the bars' updates)."""
+    secs = bar.format_dict["elapsed"]
+    bar.close()
+    print(f"[train-draft] {bar.desc}: {tokens:,} tokens in {secs:.1f} s ({tokens / max(secs, 1e-9):,.0f} tok/s)",
+          file=sys.stderr)
+
+
 def _zero(device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.long, device=device)  # Span's committed length: nothing committed
 
@@ -165,7 +173,7 @@ def target_features(target: Transformer, packs: list[Pack], desc: str) -> None:
         p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
         bar.update(T)
     _sync(packs[0].tokens.device)
-    bar.close()
+    _close(bar, bar.n)
 
 
 def unroll(draft: EagleDraft, p: Pack, steps: int, noise: torch.Generator | None):
@@ -401,7 +409,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
                         "opt": opt.state_dict()}, out / CHECKPOINT)
         if stop:
             break
-    bar.close()
+    _close(bar, seen)
     after = evaluate(draft, target, held_packs)
     save_draft(draft, out, engine_dir)
     r = {"out": str(out), "steps": done, "planned_steps": plan, "epoch_steps": total, "ttt_steps": ttt_steps,
