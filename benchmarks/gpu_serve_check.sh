@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Serving on the GPU machine (issue 6): `microspec serve` on the real tritonserver, one streamed request, a short
-# load run. Run from the repo root there (python3.12 with CUDA torch, no internet):
-#   bash build_scripts/device_serve_check.sh ENGINE_DIR [DRAFT_DIR]
-# Wheels come carried and are installed by `gpu_session.sh setup`: .whl/ (nvidia-pytriton: tritonserver and its
-# Python backend) and .whl2/ (tritonclient, grpcio, protobuf, python-rapidjson, ml_dtypes, jinja2, markupsafe) into
-# /tmp/serve-site, and numpy 1.26 into /tmp/stub-site for Triton's Python stub only.
+# Serving on a GPU machine: `microspec serve` on the real tritonserver, one streamed request, a short load run.
+# Run from the repo root (python3.12 with CUDA torch):
+#   bash benchmarks/gpu_serve_check.sh ENGINE_DIR [DRAFT_DIR]
+# Needs nvidia-pytriton (tritonserver and its Python backend) and tritonclient importable (SERVE_SITE: an extra
+# folder for them, default /tmp/serve-site), and numpy 1.x for Triton's Python stub in STUB_SITE (default
+# /tmp/stub-site; see trtllm_microspec/serving/server.py).
 # Knobs: INSTANCE_KIND=gpu|cpu (Triton instance kind; the model runs on cuda either way), GRPC_PORT, MAX_TOKENS,
 # CONCURRENCY, REQUESTS, DEVICE (cuda; cpu with INSTANCE_KIND=cpu rehearses the script on a CPU machine).
 set -euo pipefail
@@ -17,14 +17,16 @@ MAX_TOKENS=${MAX_TOKENS:-256}
 CONCURRENCY=${CONCURRENCY:-4}
 REQUESTS=${REQUESTS:-16}
 
-[ -d /tmp/serve-site/pytriton ] && [ -d /tmp/stub-site/numpy ] || { echo "run gpu_session.sh setup with .whl and .whl2 first"; exit 2; }
-export PYTHONPATH=/tmp/serve-site:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+SERVE_SITE=${SERVE_SITE:-/tmp/serve-site}
+STUB_SITE=${STUB_SITE:-/tmp/stub-site}
+[ -d "$STUB_SITE/numpy" ] || { echo "no numpy for Triton's Python stub in $STUB_SITE"; exit 2; }
+export PYTHONPATH=$SERVE_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 MS=(python3 -m trtllm_microspec.cli)
 
 python3 -c "import torch; print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
                                  '| torch', torch.__version__)"
 LOG=/tmp/microspec-serve.out
-"${MS[@]}" serve --engine "$ENGINE" "${DRAFT[@]}" --device "$DEVICE" --instance-kind "$KIND" --stub-site /tmp/stub-site \
+"${MS[@]}" serve --engine "$ENGINE" "${DRAFT[@]}" --device "$DEVICE" --instance-kind "$KIND" --stub-site "$STUB_SITE" \
   --grpc-port "$PORT" --http-port $((PORT - 1)) --metrics-port $((PORT + 1)) --log-file /tmp/tritonserver.log \
   >"$LOG" 2>&1 &
 SERVE=$!
