@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,10 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, ablation)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, one GPU each: run under "
+                   "`mpirun -n TP` (heads, MLP and vocabulary split across them)")
+    p.add_argument("--tp-timeout", type=float, default=300, help="seconds a rank waits for the others in a "
+                   "collective before it ends with an error (a rank that died or hangs)")
 
 
 def llm_from_args(a: argparse.Namespace, method: str | None = None):
@@ -55,7 +60,8 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
 
     return LLM(a.engine, method=method or a.method, draft=a.draft, device=a.device, w_max=a.w_max,
                k_pre=a.k_pre, k_ver=a.k_ver, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
-               total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype)
+               total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
+               tp=a.tp, tp_timeout=a.tp_timeout)
 
 
 def cmd_models(a) -> None:
@@ -94,7 +100,12 @@ def cmd_build_draft(a) -> None:
 
 
 def cmd_generate(a) -> None:
+    from . import parallel
+
     llm = llm_from_args(a)
+    if parallel.rank() > 0:  # the other ranks run the same steps and print nothing
+        llm.generate(a.prompt, a.max_new_tokens, chat=a.chat)
+        return
     if a.json:
         print(json.dumps(llm.generate(a.prompt, a.max_new_tokens, chat=a.chat).to_dict()))
         return
@@ -193,6 +204,14 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"microspec: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:  # under TP, above all: a collective timed out or lost its peer (a rank died or hangs)
+        from . import parallel
+        from .engine.loader import one_line
+
+        if parallel.world() == 1:
+            raise
+        print(f"microspec: error: rank {parallel.rank()} of {parallel.world()}: {one_line(e)}", file=sys.stderr)
+        os._exit(1)  # not sys.exit: tearing the process group down would wait on the missing rank
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import parallel
 from .engine.executor import Executor
 from .engine.loader import load_target, one_line, pick_device, read_config
 from .models.registry import MODELS, UserError, cache_dir
@@ -78,7 +79,8 @@ class LLM:
     def __init__(self, engine: str | Path, method: str = "ar", draft: str | Path | None = None,
                  device: str | None = None, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3,
                  static_k: int = 32768, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
-                 max_seq_len: int | None = None, cuda_graphs: bool = True, dtype: str | None = None):
+                 max_seq_len: int | None = None, cuda_graphs: bool = True, dtype: str | None = None,
+                 tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S):
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
@@ -86,6 +88,10 @@ class LLM:
                     total_tokens, max_seq_len)
         self.method = method
         self.device, dtype = pick_device(device, dtype)
+        if tp < 1:
+            raise UserError(f"tp must be at least 1, got {tp}")
+        if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
+            self.device = parallel.init(tp, self.device, tp_timeout)
         self.target, self.tokenizer = load_target(self.engine_dir, self.device, dtype, max_seq_len)
         draft_model = vocab = None
         if method != "ar":
@@ -99,7 +105,8 @@ class LLM:
                 raise
             except Exception as e:  # its files cut short or of another shape
                 raise UserError(f"draft {draft_dir} is damaged ({one_line(e)}): rebuild or retrain it") from None
-            vocab = make_vocab(method, self.target.head_weight, self.target.cfg.eos_ids, w_max=w_max,
+            head = self.target.head_weight if parallel.world() == 1 else self.target.full_head
+            vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max,
                                ranked_ids=self._ranked_ids() if method == "frspec" else None, static_k=static_k)
         tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
         self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,

@@ -136,11 +136,11 @@ class Executor:
 
         def prefill():
             _, h = self._prefill(prompt_ids)
-            self.root.copy_(t.logits(h[-1:]).argmax(-1))
+            self.root.copy_(t.argmax(t.logits(h[-1:])))
 
         def step(S):
             h = t(self.root, self.n.view(1), self.n.view(1), Span(self.n, causal(1, self.device), S))
-            self.root.copy_(t.logits(h).argmax(-1))
+            self.root.copy_(t.argmax(t.logits(h)))
             self.n.add_(1)
 
         timer.run("prefill", prefill)
@@ -158,11 +158,11 @@ class Executor:
 
         def prefill():
             ids, h = self._prefill(prompt_ids)
-            first = t.logits(h[-1:])[0]
-            self.root.copy_(first.argmax().view(1))
-            topk_pre = torch.cat([t.logits(h[i:i + PREFILL_CHUNK]).topk(self.k_pre, -1).indices.flatten()
+            first = t.logits(h[-1:])
+            self.root.copy_(t.argmax(first))
+            topk_pre = torch.cat([t.topk(t.logits(h[i:i + PREFILL_CHUNK]), self.k_pre).flatten()
                                   for i in range(0, h.shape[0], PREFILL_CHUNK)])
-            vocab.start(ids, topk_pre, first.topk(self.k_ver).indices)
+            vocab.start(ids, topk_pre, t.topk(first, self.k_ver)[0])
             L = ids.numel()
             pos = torch.arange(L, device=dev)
             zero = torch.zeros((), dtype=torch.long, device=dev)
@@ -175,10 +175,10 @@ class Executor:
 
         def verify_phase(S):
             hid, logits = verify(t, self.drafted, self.n, S)
-            self.path, self.k, self.emitted = accept(self.drafted, logits.argmax(-1), P)
+            self.path, self.k, self.emitted = accept(self.drafted, t.argmax(logits), P)
             self.out.copy_(torch.cat([self.k.view(1), self.emitted]))
             self.hid_path = hid[self.path]
-            ver = logits[self.path].topk(self.k_ver, -1).indices
+            ver = t.topk(logits[self.path], self.k_ver)
             self.ver = torch.where((self.steps <= self.k)[:, None], ver, -1).flatten()
             t.cache.move(self.n + self.path, self.n + self.steps)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .. import parallel
 from ..models.model import ModelConfig, Transformer
 from ..models.registry import MODELS, UserError, cache_dir
 from ..models.tokenizer import Tokenizer
@@ -68,15 +69,24 @@ def load_target(engine_dir: str | Path, device: torch.device, dtype: torch.dtype
     missing = [f for f in ENGINE_FILES if not (d / f).exists()]
     if missing:
         raise damaged(d, f"missing {', '.join(missing)}")
+    tp = parallel.world() > 1
+    local = parallel.shard_config(cfg) if tp else cfg
     # any failure reading the files (cut short, another model's weights, a config edited by hand) means: rebuild
     try:
         with torch.device("meta"):
-            model = Transformer(cfg)
-        model.load_state_dict(load_file(d / "model.safetensors"), strict=True, assign=True)
+            model = Transformer(local)
+        sd = load_file(d / "model.safetensors")
+        if tp:  # each rank keeps the whole LM head for the draft vocabulary's row gathers (README: tensor parallel)
+            full_head = sd["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+            sd = parallel.shard_state_dict(sd, cfg)
+        model.load_state_dict(sd, strict=True, assign=True)
     except Exception as e:
         raise damaged(d, f"weights: {e}") from None
     try:
         tokenizer = Tokenizer(d)
     except Exception as e:
         raise damaged(d, f"tokenizer: {e}") from None
-    return model.setup(dtype, device).eval(), tokenizer
+    model.setup(dtype, device).eval()
+    if tp:
+        model.full_head = full_head.to(device=device, dtype=dtype)
+    return model, tokenizer

@@ -22,6 +22,8 @@ from torch import nn
 from plugins import layers
 from plugins.layers import Span
 
+from .. import parallel
+
 
 @dataclass
 class ModelConfig:
@@ -112,8 +114,9 @@ def fuse_parts(owner: nn.Module, name: str) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, reduce: bool = False):
         super().__init__()
+        self.reduce = reduce  # tensor parallel: cfg holds this rank's heads, o_proj its input columns
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.h, self.kv, self.d, self.eps = h, kv, d, cfg.rms_norm_eps
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d},
@@ -130,12 +133,14 @@ class Attention(nn.Module):
         q = layers.rope_cache_write(self.qkv_proj(x), self.h, self.kv, rope, positions, slots, k_cache, v_cache,
                                     qk_norm, self.eps)
         o = layers.attention(q, k_cache, v_cache, span, positions, k_pos, window, self.scale)
-        return self.o_proj(o.reshape(x.shape[0], self.h * self.d))
+        o = self.o_proj(o.reshape(x.shape[0], self.h * self.d))
+        return parallel.all_reduce(o) if self.reduce else o
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, reduce: bool = False):
         super().__init__()
+        self.reduce = reduce  # tensor parallel: this rank's gate|up columns, down_proj's matching input columns
         i = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": i, "up_proj": i}, bias=False)
         fuse_parts(self, "gate_up_proj")
@@ -143,7 +148,8 @@ class MLP(nn.Module):
         self.gelu = cfg.gemma
 
     def forward(self, x):
-        return self.down_proj(layers.act_mul(self.gate_up_proj(x), self.gelu))
+        y = self.down_proj(layers.act_mul(self.gate_up_proj(x), self.gelu))
+        return parallel.all_reduce(y) if self.reduce else y
 
 
 class Block(nn.Module):
@@ -152,11 +158,11 @@ class Block(nn.Module):
     so each add is fused with the norm after it. Returns (res, delta) for the next layer. EAGLE's draft layer
     is the same block with its input norm skipped."""
 
-    def __init__(self, cfg: ModelConfig, skip_input_norm: bool = False):
+    def __init__(self, cfg: ModelConfig, skip_input_norm: bool = False, reduce: bool = False):
         super().__init__()
         eps, g = cfg.rms_norm_eps, cfg.gemma
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, reduce)
+        self.mlp = MLP(cfg, reduce)
         if not skip_input_norm:
             self.input_layernorm = RMSNorm(cfg.hidden_size, eps, g)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, g)
@@ -206,14 +212,19 @@ class KVCache:
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
+        """Under tensor parallelism cfg is this rank's shard (parallel.shard_config) and the embedding and LM head
+        hold the rows of parallel.vocab_range."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        tp = parallel.world() > 1
+        self.vocab_start, vocab_end = parallel.vocab_range(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_end - self.vocab_start, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, reduce=tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, vocab_end - self.vocab_start, bias=False)
         self.cache: KVCache | None = None
+        self.full_head: torch.Tensor | None = None  # TP: all V head rows, for the draft vocabulary (loader)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -230,7 +241,12 @@ class Transformer(nn.Module):
         return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(tokens)
+        if parallel.world() == 1:
+            x = self.embed_tokens(tokens)
+        else:  # this rank's rows, zeros for the ids other ranks hold, summed (exact: one non-zero term per row)
+            local = tokens - self.vocab_start
+            mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+            x = parallel.all_reduce(self.embed_tokens(local.where(mine, 0)).masked_fill(~mine[:, None], 0))
         if self.embed_scale != 1.0:  # Gemma scales embeddings by sqrt(d) in the weights' dtype
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
@@ -249,4 +265,13 @@ class Transformer(nn.Module):
         return layers.add_rms_norm(res, delta, self.norm.weight, self.norm.eps, self.norm.offset, delta_norm)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, V]; under TP this rank's vocabulary slice [T, V / tp]: reduce it with `argmax` / `topk`."""
         return F.linear(hidden, self.head_weight)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The id of each row's largest logit [T]."""
+        return logits.argmax(-1) if parallel.world() == 1 else parallel.argmax(logits, self.vocab_start)
+
+    def topk(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """The ids of each row's k largest logits [T, k], largest first."""
+        return logits.topk(k, -1).indices if parallel.world() == 1 else parallel.topk(logits, k, self.vocab_start)[1]
