@@ -268,7 +268,7 @@ def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack]) -> dict:
             sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None)]
     draft.train()
     n = np.maximum(sums[:, 3], 1.0)
-    return {"loss": float(sums[0, 0] + CE_WEIGHT * sums[0, 1]) / n[0],
+    return {"loss": float((sums[0, 0] + CE_WEIGHT * sums[0, 1]) / n[0]),
             "acc": [round(float(a), 4) for a in sums[:, 2] / n], "positions": int(sums[0, 3])}
 
 
