@@ -189,9 +189,9 @@ def unroll(draft: EagleDraft, p: Pack, steps: int, noise: torch.Generator | None
         # a fresh, longer cache per step: writing into the one whose slices earlier steps' attention saved for
         # backward would invalidate them. Slots: step j's rows at j*T .. j*T+T-1.
         grown = KVCache(replace(draft.cfg, max_seq_len=(s + 1) * T), 1, _act_dtype(x), dev)
-        if cache is not None:
-            grown.k[:, :, :s * T] = cache.k
-            grown.v[:, :, :s * T] = cache.v
+        if cache is not None:  # (a cache may hold a few more slots than asked: whole KV blocks)
+            grown.k[:, :, :s * T] = cache.k[:, :, :s * T]
+            grown.v[:, :, :s * T] = cache.v[:, :, :s * T]
             new = torch.cat([new, eye], dim=1)  # + this row's own slot of step s
         cache = grown
         x = draft.hidden(p.tokens.roll(-(s + 1)), x, p.positions + s, s * T + rows,
