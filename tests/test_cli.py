@@ -163,8 +163,8 @@ BAD_KNOBS = [
     ("--static-k", 0, "static_k must be between 10 and 49152"),
     ("--depth", 0, "depth must be at least 1, got 0"),
     ("--depth", -2, "depth must be at least 1, got -2"),
-    ("--top-k", 0, "top_k must be between 1 and 49152"),
-    ("--top-k", 49153, "top_k must be between 1 and 49152"),
+    ("--tree-top-k", 0, "top_k must be between 1 and 49152"),
+    ("--tree-top-k", 49153, "top_k must be between 1 and 49152"),
     ("--total-tokens", 0, "total_tokens must be between 2 and 511 (the root plus up to 510 draft tokens"),
     ("--total-tokens", 1, "total_tokens must be between 2 and 511"),
     ("--total-tokens", 512, "total_tokens must be between 2 and 511"),
@@ -211,7 +211,7 @@ def test_k_pre_and_k_ver_zero(capsys, engine, random_draft_dir):
     def vocab_and_ids(*knobs):
         code, out, err = run(capsys, *gen(engine, "--prompt", "The capital of France is", "--max-new-tokens", 8,
                                           "--json", "--method", "microspec", "--draft", random_draft_dir,
-                                          "--depth", 2, "--top-k", 4, "--total-tokens", 8, *knobs))
+                                          "--depth", 2, "--tree-top-k", 4, "--total-tokens", 8, *knobs))
         assert code == 0, err
         r = json.loads(out)
         return r["stats"]["vocab_mean"], r["token_ids"]
@@ -290,7 +290,7 @@ def test_help_is_for_users(capsys):
     assert code == 0 and "microspec quickstart" in out and "register(" not in out
     code, out, _ = run(capsys, "generate", "--help")
     options = " ".join(out.split("options:")[1].split())  # argparse wraps lines
-    for flag in ("--w-max", "--k-pre", "--k-ver", "--static-k", "--depth", "--top-k", "--total-tokens",
-                 "--max-seq-len", "--max-new-tokens"):
+    for flag in ("--w-max", "--k-pre", "--k-ver", "--static-k", "--depth", "--tree-top-k", "--total-tokens",
+                 "--max-seq-len", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed"):
         explained = options.split(f"{flag} {flag[2:].upper().replace('-', '_')} ", 1)[1].split(" --", 1)[0]
         assert len(explained.split()) >= 6, (flag, explained)

@@ -36,7 +36,7 @@ from trtllm_microspec.serving.server import (MODEL_PY, TritonServer, model_confi
 
 REPO = Path(__file__).resolve().parents[1] / "triton_repo"
 MAX_SEQ_LEN = 256  # small, so that a prompt over the limit is cheap
-SMALL_TREE = ["--depth", "3", "--top-k", "8", "--total-tokens", "16"]  # any tree is lossless; this one is fast
+SMALL_TREE = ["--depth", "3", "--tree-top-k", "8", "--total-tokens", "16"]  # any tree is lossless; this one is fast
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
 MAX_TOKENS = 16
 
@@ -221,6 +221,9 @@ BAD_REQUESTS = {
     "max_tokens over the limit": (client.make_inputs("Hi", MAX_SEQ_LEN + 1), "max_tokens must be between 1 and"),
     "prompt too long": (client.make_inputs("hello " * MAX_SEQ_LEN, 8), "this engine accepts at most"),
     "undecodable bytes": (client.make_inputs(b"\xff\xfe caf\xc3", 8), "not valid UTF-8"),
+    "negative temperature": (client.make_inputs("Hi", 8, sampling={"temperature": -0.5}), "temperature must be"),
+    "top_p over 1": (client.make_inputs("Hi", 8, sampling={"top_p": 1.5}), "top_p must be in (0, 1]"),
+    "negative top_k": (client.make_inputs("Hi", 8, sampling={"top_k": -1}), "top_k must be an integer >= 0"),
 }
 
 
@@ -231,6 +234,17 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, offl
         assert message in str(e.value), case
         assert "\n" not in str(e.value).strip(), case  # one line, no traceback
     assert client.generate(server.grpc_url, PROMPTS[1], MAX_TOKENS).text == offline(PROMPTS[1]).text
+
+
+def test_sampled_request_equals_offline_with_the_same_seed(server, offline):
+    """TensorRT-LLM's sampling inputs reach the executor: the server's sampled text is the offline one of the same
+    seed (values exact in fp32, the inputs' type), and another seed gives another text."""
+    inputs = {"temperature": 1.5, "top_p": 0.875, "top_k": 40, "random_seed": 7}
+    want = offline.llm.generate(PROMPTS[3], MAX_TOKENS, temperature=1.5, top_p=0.875, top_k=40, seed=7)
+    assert want.text != offline(PROMPTS[3]).text  # it really sampled
+    assert client.generate(server.grpc_url, PROMPTS[3], MAX_TOKENS, sampling=inputs).text == want.text
+    other = client.generate(server.grpc_url, PROMPTS[3], MAX_TOKENS, sampling={**inputs, "random_seed": 8})
+    assert other.text != want.text
 
 
 LONG_PROMPT, LONG = "1, 2, 3, 4, 5, 6, 7, 8,", 100  # counting on: no early end of sequence

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -31,17 +32,17 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="ar", choices=METHODS)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--w-max", type=int, default=3072, help="MicroSpec window: the draft may propose the distinct "
-                   "ids among the last W_MAX candidates of the stream (from --top-k to the vocabulary size)")
+                   "ids among the last W_MAX candidates of the stream (from --tree-top-k to the vocabulary size)")
     p.add_argument("--k-pre", type=int, default=3, help="MicroSpec: the target's top-K ids at every prompt position "
                    "start the window (0: only the prompt's own tokens)")
     p.add_argument("--k-ver", type=int, default=3, help="MicroSpec: the target's top-K ids at every accepted "
                    "position join the window each round (0: only the draft tree's tokens)")
     p.add_argument("--static-k", type=int, default=32768, help="frspec: the draft may propose the K most frequent "
-                   "ids (from --top-k to the vocabulary size)")
+                   "ids (from --tree-top-k to the vocabulary size)")
     p.add_argument("--depth", type=int, default=5, help="draft tree depth: levels the draft grows after its first "
                    "guess, i.e. depth+1 draft calls per round (at least 1)")
-    p.add_argument("--top-k", type=int, default=10, help="draft tree width: guesses kept per node and nodes grown "
-                   "per level (at least 1)")
+    p.add_argument("--tree-top-k", dest="top_k", metavar="TREE_TOP_K", type=int, default=10, help="draft tree "
+                   "width: guesses kept per node and nodes grown per level (at least 1; LLM's top_k)")
     p.add_argument("--total-tokens", type=int, default=60, help="draft tree size, the root included: tokens the "
                    "target checks in one pass per round (2 to 1 + top_k + depth*top_k^2)")
     p.add_argument("--max-seq-len", type=int, help="most tokens, prompt and output together, one request may hold "
@@ -53,6 +54,24 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    "`mpirun -n TP` (heads, MLP and vocabulary split across them)")
     p.add_argument("--tp-timeout", type=float, default=300, help="seconds a rank waits for the others in a "
                    "collective before it ends with an error (a rank that died or hangs)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, the AR output exactly; above 0: "
+                   "sample, with the output distributed as AR sampling's")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of most likely tokens "
+                   "whose probability reaches TOP_P, in (0, 1]")
+    p.add_argument("--top-k", dest="sample_top_k", metavar="TOP_K", type=int, default=0, help="sample from the "
+                   "TOP_K most likely tokens (0: no limit)")
+    p.add_argument("--seed", type=int, help="random seed of the sampling, for a repeatable output (default: a "
+                   "fresh one per request)")
+
+
+def sampling_from_args(a: argparse.Namespace) -> dict:
+    """The LLM's sampling keywords, validated now: a bad value ends the command before the model loads."""
+    from .spec.sampling import SamplingParams
+
+    return dataclasses.asdict(SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed))
 
 
 def llm_from_args(a: argparse.Namespace, method: str | None = None):
@@ -102,14 +121,15 @@ def cmd_build_draft(a) -> None:
 def cmd_generate(a) -> None:
     from . import parallel
 
+    sampling = sampling_from_args(a)
     llm = llm_from_args(a)
     if parallel.rank() > 0:  # the other ranks run the same steps and print nothing
-        llm.generate(a.prompt, a.max_new_tokens, chat=a.chat)
+        llm.generate(a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
         return
     if a.json:
-        print(json.dumps(llm.generate(a.prompt, a.max_new_tokens, chat=a.chat).to_dict()))
+        print(json.dumps(llm.generate(a.prompt, a.max_new_tokens, chat=a.chat, **sampling).to_dict()))
         return
-    gen = llm.stream_tokens(a.prompt, a.max_new_tokens, chat=a.chat)
+    gen = llm.stream_tokens(a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
     try:
         while True:
             piece, _ = next(gen)
@@ -177,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--out", required=True)
     bd.set_defaults(func=cmd_build_draft)
 
-    g = sub.add_parser("generate", help="greedy generation (AR or speculative)")
+    g = sub.add_parser("generate", help="generation (AR or speculative), greedy or sampled")
     add_llm_args(g)
+    add_sampling_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (fewer when the model "

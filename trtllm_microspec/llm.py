@@ -5,6 +5,9 @@
     print(llm.generate("What is 2+2?", chat=True).text)
     for piece in llm.stream("Tell me a story", chat=True, max_new_tokens=64):
         print(piece, end="", flush=True)
+    llm.generate("Tell me a story", temperature=0.7, top_p=0.9, top_k=50, seed=1)   # sampling (SamplingParams)
+
+`top_k` of `LLM(...)` is the EAGLE-2 tree's branching; `top_k` of generate/stream is the sampling filter.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from . import parallel
 from .engine.executor import Executor
 from .engine.loader import load_target, one_line, pick_device, read_config
 from .models.registry import MODELS, UserError, cache_dir
+from .spec.sampling import SamplingParams
 from .spec.tree import TreeConfig
 from .vocab.strategies import METHODS, make_vocab
 
@@ -131,15 +135,17 @@ class LLM:
         return self.tokenizer.prompt_ids(prompt, chat)
 
     def stream_tokens(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False,
-                      incremental: bool = True):
-        """Yields (text piece, new token ids) per step; the generator's return value is the Result."""
+                      incremental: bool = True, **sampling):
+        """Yields (text piece, new token ids) per step; the generator's return value is the Result.
+        sampling: SamplingParams' fields (temperature, top_p, top_k, seed); none given: greedy."""
+        params = SamplingParams(**sampling)
         ids = self.prompt_ids(prompt, chat)
         self.executor.check(ids, max_new_tokens)
         with self._lock:
             out: list[int] = []
             pending: list[int] = []  # tokens whose text has not been yielded yet
             sent = ""
-            steps = self.executor.run(ids, max_new_tokens)
+            steps = self.executor.run(ids, max_new_tokens, params)
             end_now = None  # send(True) into this generator ends the request early, statistics kept
             while True:
                 try:
@@ -163,15 +169,16 @@ class LLM:
         return Result(text=text, token_ids=out, num_new_tokens=len(out),
                       stats={"method": self.method, **stats.summary()})
 
-    def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False) -> Result:
-        gen = self.stream_tokens(prompt, max_new_tokens, chat, incremental=False)
+    def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False, **sampling) -> Result:
+        gen = self.stream_tokens(prompt, max_new_tokens, chat, incremental=False, **sampling)
         while True:
             try:
                 next(gen)
             except StopIteration as stop:
                 return stop.value
 
-    def stream(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False) -> Iterator[str]:
-        for piece, _ in self.stream_tokens(prompt, max_new_tokens, chat):
+    def stream(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False,
+               **sampling) -> Iterator[str]:
+        for piece, _ in self.stream_tokens(prompt, max_new_tokens, chat, **sampling):
             if piece:
                 yield piece

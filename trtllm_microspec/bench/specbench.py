@@ -1,10 +1,11 @@
 """`microspec bench`: Spec-Bench (6 categories) + HumanEval (code), every method on the same questions.
 
-Measurement follows Spec-Bench: chat template, greedy, warm-up runs, `synchronize(); perf_counter()` around each
+Measurement follows Spec-Bench: chat template, greedy (or sampled with --temperature), warm-up runs, `synchronize(); perf_counter()` around each
 request (prefill included); a question's speed = its new tokens / its wall time over all its turns, a category's
 speed = the mean over its questions, speedup = method mean speed / AR mean speed of the same run. MT-bench's second
 turn is generated in the context [user 1, the model's own answer 1, user 2]. Every method's tokens are compared with
-AR's on the fly (speculative decoding is lossless; mismatches are counted and listed, never fatal).
+AR's on the fly (speculative decoding is lossless; mismatches are counted and listed, never fatal); sampled outputs
+differ from AR's by design and are not compared (their losslessness in distribution is tests/test_sampling.py's).
 """
 from __future__ import annotations
 
@@ -86,29 +87,29 @@ def make_model(a, run: dict):
                          method=run["method"])
 
 
-def timed(model, messages, max_new_tokens: int, cuda: bool):
+def timed(model, messages, max_new_tokens: int, cuda: bool, sampling: dict):
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    r = model.generate(messages, max_new_tokens, chat=True)
+    r = model.generate(messages, max_new_tokens, chat=True, **sampling)
     if cuda:
         torch.cuda.synchronize()
     return r, time.perf_counter() - t0
 
 
-def run_questions(model, questions: list[dict], a, label: str) -> tuple[list[dict], dict]:
+def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -> tuple[list[dict], dict]:
     """Per turn: a record of its stats and timing; also the token ids per (qid, turn) for the comparisons."""
     cuda = model.device.type == "cuda"
     first = questions[0]["turns"][0]
     log(f"{label}: {a.warmup} warm-up requests")
-    for _ in range(a.warmup):
-        model.generate(first, min(a.max_new_tokens, WARMUP_TOKENS), chat=True)
+    for _ in range(a.warmup):  # sampled like the measured requests: sampling runs its own CUDA graphs
+        model.generate(first, min(a.max_new_tokens, WARMUP_TOKENS), chat=True, **sampling)
     records, ids = [], {}
     for i, q in enumerate(questions, 1):
         messages = []
         for t, user in enumerate(q["turns"]):
             messages.append({"role": "user", "content": user})
-            r, secs = timed(model, messages, a.max_new_tokens, cuda)
+            r, secs = timed(model, messages, a.max_new_tokens, cuda, sampling)
             messages.append({"role": "assistant", "content": r.text})
             records.append({"qid": q["qid"], "category": q["category"], "turn": t, "time_s": secs, **r.stats})
             ids[q["qid"], t] = r.token_ids
@@ -182,7 +183,7 @@ def markdown(res: dict) -> str:
     runs = res["runs"]
     lines = [f"# Spec-Bench + HumanEval: {res['config']['engine']} on {res['device']}", "",
              f"max_new_tokens {res['config']['max_new_tokens']}, limit {res['config']['limit']} per category, "
-             f"greedy, chat template; speed = mean over questions of new tokens / wall time.", ""]
+             f"{sampling_text(res['config'])}, chat template; speed = mean over questions of new tokens / wall time.", ""]
     for key, title, spec in METRICS:
         lines += [f"## {title}", "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         lines += [f"| {name} | " + " | ".join(_fmt(run["summary"][c][key], spec) for c in cols) + " |"
@@ -207,8 +208,23 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sampling_text(config: dict) -> str:
+    if not config.get("temperature"):
+        return "greedy"
+    return (f"sampled at temperature {config['temperature']}, top-p {config['top_p']}, top-k {config['sample_top_k']}, "
+            f"seed {config['seed']}")
+
+
 def cmd_bench(a) -> None:
+    from ..cli import sampling_from_args
     from ..vocab.strategies import METHODS
+
+    sampling = sampling_from_args(a)  # checked even when greedy
+    if not sampling["temperature"]:
+        sampling = {}  # greedy: what every run does by default, the outside references too
+    elif set(REFERENCES) & set(a.methods):
+        raise UserError(f"the outside references ({', '.join(REFERENCES)}) run greedy only: leave them out of "
+                        f"--methods when sampling")
 
     for m in a.methods:
         if m not in METHODS + REFERENCES:
@@ -238,7 +254,7 @@ def cmd_bench(a) -> None:
         log(f"run {i}/{len(runs)} {label}: loading the model")
         model = make_model(a, run)
         t0 = time.perf_counter()
-        records, ids = run_questions(model, questions, a, label)
+        records, ids = run_questions(model, questions, a, label, sampling)
         if run["method"] == "ar":
             ar_ids = ids
             res["device"] = str(model.device)
@@ -254,8 +270,9 @@ def cmd_bench(a) -> None:
         ar = res["runs"]["ar"]["summary"] if res["runs"] else summary  # the first run is AR's
         for c, s in summary.items():
             s["speedup"] = s["speed"] / ar[c]["speed"]
-        mism = compare(ids, ar_ids)
-        res["runs"][label] = {**run, "lossless": not mism, "mismatches": mism, "summary": summary, "turns": records}
+        mism = [] if sampling else compare(ids, ar_ids)
+        res["runs"][label] = {**run, "lossless": None if sampling else not mism, "mismatches": mism, "summary": summary,
+                              "turns": records}
         s = summary["overall"]
         log(f"{label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
             f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)")
@@ -298,11 +315,12 @@ def _names(s: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from ..cli import add_llm_args
+    from ..cli import add_llm_args, add_sampling_args
 
     p = sub.add_parser("bench", help="Spec-Bench + HumanEval: speed, speedup, acceptance, vocabulary per method",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_llm_args(p)  # --method is not used here: --methods lists what to run
+    add_sampling_args(p)
     p.add_argument("--methods", type=_names, default=["ar", "eagle", "frspec", "microspec"],
                    help="comma list of ar, eagle, frspec, microspec, ctx-only, ext-only, naive and the outside "
                         "references hf, hf-compiled, vllm, vllm-eagle (AR always runs)")

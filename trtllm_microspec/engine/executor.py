@@ -1,7 +1,8 @@
 """The generation loop for one request: prefill, then AR decode steps or EAGLE-2 draft/verify rounds.
 
 `Executor.run` is a generator: it yields the tokens emitted by each step (so callers can stream) and returns
-the request's Stats. Greedy only; the speculative output is token for token the AR output.
+the request's Stats. Greedy (temperature 0), the speculative output is token for token the AR output; sampled, it
+is distributed as AR sampling (spec/sampling.py).
 
 Device state lives in persistent tensors (`n` = committed length, `root`, `h_last`, the counters), updated
 in place by three phases per round -- draft, verify, update -- so the round has no host synchronisation but
@@ -16,6 +17,7 @@ import torch
 
 from ..models.model import Span, Transformer
 from ..models.registry import UserError
+from ..spec.sampling import GREEDY, Sampler, SamplingParams
 from ..spec.tree import TreeConfig, accept, causal, draft_tree, verify
 from .graphs import GraphRunner, bucket_for
 from .stats import Stats
@@ -70,6 +72,8 @@ class Executor:
         # what the host reads after a round: [k, emitted...]; persistent, since the round's other tensors
         # belong to whichever bucket's graphs ran
         self.out = torch.zeros(tree.max_path + 1, dtype=torch.long, device=dev)
+        # uniforms per step: one per tree level; AR one, whatever the tree knobs
+        self.sampler = Sampler(target.argmax, dev, tree.max_path if draft else 1)
 
     @property
     def max_prompt(self) -> int:
@@ -86,8 +90,10 @@ class Executor:
         if max(prompt_ids) >= self.target.cfg.vocab_size or min(prompt_ids) < 0:
             raise UserError("the prompt has token ids outside the vocabulary")
 
-    def run(self, prompt_ids: list[int], max_new_tokens: int) -> Generator[list[int], None, Stats]:
+    def run(self, prompt_ids: list[int], max_new_tokens: int,
+            sampling: SamplingParams = GREEDY) -> Generator[list[int], None, Stats]:
         self.check(prompt_ids, max_new_tokens)
+        self.sampler.start(sampling, self.target.cfg.vocab_size)
         stats, timer = Stats(prompt_tokens=len(prompt_ids)), PhaseTimer(self.device)
         t0 = time.perf_counter()
         self.counters.zero_()
@@ -111,7 +117,7 @@ class Executor:
         return stats
 
     def _phase(self, timer: PhaseTimer, name: str, S: int, fn) -> None:
-        timer.run(name, (lambda: self.graphs(name, S, fn)) if self.graphs else fn)
+        timer.run(name, (lambda: self.graphs(name, (S, self.sampler.mode), fn)) if self.graphs else fn)
 
     def _span(self, n: int) -> int:
         """KV slots the next step attends over: just enough eagerly, a fixed bucket under CUDA graphs."""
@@ -119,7 +125,7 @@ class Executor:
         if not self.graphs:
             return need
         S = bucket_for(need, self.target.cfg.max_seq_len)
-        self.graphs.begin_round(S)
+        self.graphs.begin_round((S, self.sampler.mode))  # greedy and sampling steps are different graphs
         return S
 
     def _prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,18 +142,20 @@ class Executor:
 
         def prefill():
             _, h = self._prefill(prompt_ids)
-            self.root.copy_(t.argmax(t.logits(h[-1:])))
+            self.root.copy_(self.sampler.choose(t.logits(h[-1:]), 0))
 
         def step(S):
             h = t(self.root, self.n.view(1), self.n.view(1), Span(self.n, causal(1, self.device), S))
-            self.root.copy_(t.argmax(t.logits(h)))
+            self.root.copy_(self.sampler.choose(t.logits(h), 0))
             self.n.add_(1)
 
+        self.sampler.next()
         timer.run("prefill", prefill)
         n = len(prompt_ids)
         yield self.root.tolist()
         while n + self.reserve < t.cfg.max_seq_len:
             S = self._span(n)
+            self.sampler.next()
             self._phase(timer, "verify", S, lambda: step(S))
             n += 1
             yield self.root.tolist()  # the one host read per step
@@ -159,7 +167,7 @@ class Executor:
         def prefill():
             ids, h = self._prefill(prompt_ids)
             first = t.logits(h[-1:])
-            self.root.copy_(t.argmax(first))
+            self.root.copy_(self.sampler.choose(first, 0))
             topk_pre = torch.cat([t.topk(t.logits(h[i:i + PREFILL_CHUNK]), self.k_pre).flatten()
                                   for i in range(0, h.shape[0], PREFILL_CHUNK)])
             vocab.start(ids, topk_pre, t.topk(first, self.k_ver)[0])
@@ -171,11 +179,12 @@ class Executor:
             vocab.join()
 
         def draft_phase(S):
-            self.drafted = draft_tree(d, vocab, self.h_last, self.root, self.n, S, cfg)
+            self.drafted = draft_tree(d, vocab, self.h_last, self.root, self.n, S, cfg, self.sampler.draft_temperature)
 
         def verify_phase(S):
             hid, logits = verify(t, self.drafted, self.n, S)
-            self.path, self.k, self.emitted = accept(self.drafted, t.argmax(logits), P)
+            # greedy: the argmax of every node; sampling: one draw per node, which is EAGLE's recursive rejection
+            self.path, self.k, self.emitted = accept(self.drafted, self.sampler.choose(logits, self.drafted.depth), P)
             self.out.copy_(torch.cat([self.k.view(1), self.emitted]))
             self.hid_path = hid[self.path]
             ver = t.topk(logits[self.path], self.k_ver)
@@ -196,11 +205,13 @@ class Executor:
             self.n.add_(self.k + 1)
             vocab.join()
 
+        self.sampler.next()
         timer.run("prefill", prefill)
         n = len(prompt_ids)
         yield self.root.tolist()
         while n + self.reserve < t.cfg.max_seq_len:
             S = self._span(n)
+            self.sampler.next()
             self._phase(timer, "draft", S, lambda: draft_phase(S))
             self._phase(timer, "verify", S, lambda: verify_phase(S))
             self._phase(timer, "update", S, lambda: update_phase(S))

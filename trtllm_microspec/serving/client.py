@@ -21,6 +21,8 @@ from ..models.registry import UserError
 
 MODEL_NAME = "microspec"
 STAT_OUTPUTS = ("num_input_tokens", "num_output_tokens", "acceptance_length", "mean_active_vocab")
+SAMPLING_INPUTS = {"temperature": (np.float32, "FP32"), "top_p": (np.float32, "FP32"), "top_k": (np.int32, "INT32"),
+                   "random_seed": (np.uint64, "UINT64")}
 
 
 class RequestError(UserError):
@@ -45,7 +47,8 @@ def _grpc():
 
 
 def make_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, chat: bool = False,
-                end_id: int | None = None, stop_words: list[str] | None = None) -> list:
+                end_id: int | None = None, stop_words: list[str] | None = None, sampling: dict | None = None) -> list:
+    """sampling: any of SAMPLING_INPUTS by name (temperature, top_p, top_k, random_seed); none: greedy."""
     grpcclient = _grpc()
 
     def tensor(name, values, dtype, triton_type):
@@ -60,6 +63,7 @@ def make_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, chat:
         inputs.append(tensor("end_id", [end_id], np.int32, "INT32"))
     if stop_words:
         inputs.append(tensor("stop_words", [w.encode() for w in stop_words], np.object_, "BYTES"))
+    inputs += [tensor(name, [v], *SAMPLING_INPUTS[name]) for name, v in (sampling or {}).items()]
     return inputs
 
 
@@ -92,11 +96,11 @@ def stream_infer(url: str, inputs: list, model: str = MODEL_NAME,
 
 def stream(url: str, prompt: str | bytes, max_tokens: int = 256, stream: bool = True, chat: bool = False,
            end_id: int | None = None, stop_words: list[str] | None = None, model: str = MODEL_NAME,
-           timeout: float = 600) -> Generator[str, None, Completion]:
+           timeout: float = 600, sampling: dict | None = None) -> Generator[str, None, Completion]:
     """Yields text pieces as they arrive (one, the whole text, when stream=False); returns the Completion."""
     t0 = time.perf_counter()
     ttft, pieces, stats = None, [], {}
-    for out in stream_infer(url, make_inputs(prompt, max_tokens, stream, chat, end_id, stop_words), model, timeout):
+    for out in stream_infer(url, make_inputs(prompt, max_tokens, stream, chat, end_id, stop_words, sampling), model, timeout):
         piece = out["text_output"][0].decode()
         if piece:
             ttft = ttft if ttft is not None else time.perf_counter() - t0

@@ -8,6 +8,7 @@ response with the whole text and the statistics.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -19,7 +20,11 @@ import triton_python_backend_utils as pb_utils
 
 from ..llm import LLM
 from ..models.registry import UserError
+from ..spec.sampling import SamplingParams
 from .server import STOP_FILE_ENV, check_queue_size
+
+# SamplingParams field -> the optional request input that sets it (TensorRT-LLM's names); none given: greedy
+SAMPLING_INPUTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "random_seed"}
 
 
 @dataclass
@@ -32,6 +37,7 @@ class Job:
     end_id: int | None
     stop_words: list[str]
     prompt_tokens: int
+    sampling: dict  # LLM.generate's sampling keywords
 
 
 class Shutdown(Exception):
@@ -157,11 +163,13 @@ class TritonPythonModel:
         chat = bool(chat[0]) if chat is not None else False
         ids = self.llm.prompt_ids(prompt, chat)
         self.llm.executor.check(ids, max_tokens)  # UserError for a prompt too long for the engine
+        given = {k: _input(request, name) for k, name in SAMPLING_INPUTS.items()}
+        sampling = SamplingParams(**{k: v[0].item() for k, v in given.items() if v is not None})  # UserError if bad
         return Job(sender=sender, prompt=prompt, max_tokens=max_tokens,
                    stream=bool(stream[0]) if stream is not None else False, chat=chat,
                    end_id=int(end_id[0]) if end_id is not None else None,
                    stop_words=[w for w in (_decode(b, "stop_words") for b in stop) if w] if stop is not None else [],
-                   prompt_tokens=len(ids))
+                   prompt_tokens=len(ids), sampling=dataclasses.asdict(sampling))
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -180,7 +188,7 @@ class TritonPythonModel:
                 pass  # the client is gone
 
     def _run(self, job: Job) -> None:
-        gen = self.llm.stream_tokens(job.prompt, job.max_tokens, job.chat)
+        gen = self.llm.stream_tokens(job.prompt, job.max_tokens, job.chat, **job.sampling)
         text, ids = "", []  # what was generated so far (text: cut at a stop word or end_id)
         try:
             while True:

@@ -48,9 +48,15 @@ def causal(t: int, device) -> torch.Tensor:
 
 
 def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.Tensor, S: int,
-               cfg: TreeConfig) -> Tree:
+               cfg: TreeConfig, temperature: torch.Tensor | None = None) -> Tree:
+    """temperature (a device scalar, when sampling) divides the draft's logits (= its hidden, as the head is linear):
+    path scores then estimate the chance that sampling accepts a path."""
     k, dev = cfg.top_k, h_last.device
-    logp, ids = vocab.head(h_last[None], k)
+
+    def head(h):
+        return vocab.head(h if temperature is None else h / temperature, k)
+
+    logp, ids = head(h_last[None])
     pool_tok, pool_score, pool_parent = [ids[0]], [logp[0]], [torch.full((k,), -1, device=dev)]
     cur_tok, cur_score, cur_idx = ids[0], logp[0], torch.arange(k, device=dev)
     cur_feat = h_last[None].expand(k, -1)
@@ -64,7 +70,7 @@ def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.
         slots = n + i * k + torch.arange(k, device=dev)
         pos = (n + i).expand(k)
         h = draft(cur_tok, cur_feat, pos, slots, Span(n, anc[:, : (i + 1) * k], S))
-        logp, ids = vocab.head(h, k)  # [k, k]
+        logp, ids = head(h)  # [k, k]
         score = (cur_score[:, None] + logp).flatten()
         pool_tok.append(ids.flatten())
         pool_score.append(score)

@@ -1,0 +1,138 @@
+"""Sampling (temperature, top-k, top-p, seed) and lossless speculative sampling over the EAGLE-2 tree.
+
+All device tensor ops with static shapes: no host sync, capturable in a CUDA graph. Temperature, top-k and top-p
+shape the TARGET's distribution p, the one that decides every emitted token (HF / TensorRT-LLM order: temperature,
+then top-k, then top-p over what top-k kept).
+
+Verification. EAGLE-2's tree is not sampled: its nodes are the draft's top-k, a deterministic function of the
+committed text, so the proposal at a child c is a point mass, q = delta(c). EAGLE's recursive rejection with such
+proposals (SafeAILab/EAGLE, EAGLE-2 `evaluate_posterior`: `qx = 1.0`) tries the children c_1..c_m of the current
+node in turn: accept c_i with probability min(1, p(c_i) / 1) under the current p; on rejection
+p <- norm(max(0, p - delta(c_i))), i.e. p with c_i zeroed; if every child is rejected, draw from that residual. Child
+c_i is then emitted with probability (1 - p_1 - .. - p_{i-1}) * p_i / (1 - p_1 - .. - p_{i-1}) = p_i, and a token y
+that is no child with probability (1 - sum_c p_c) * p(y) / (1 - sum_c p_c) = p(y): the node emits exactly one draw
+from p, whatever the tree holds. So each node draws y ~ p (inverse CDF, one uniform) and the walk continues into the
+child whose token is y: the greedy `accept` with the argmax replaced by that draw. The emitted text is therefore
+distributed as the target's own sampling, for any draft and any draft vocabulary (MicroSpec's window only changes
+which children exist). The ratio rule min(1, p(x) / q(x)) with q = the draft's softmax is lossless only for children
+*sampled* from q (EAGLE-1's sampled tree); on EAGLE-2's top-k tree it is not (a child with q = 0.5 and p = 0.3 would
+be emitted with probability 0.6) -- tests/test_sampling.py shows it failing.
+
+Randomness: one uniform per tree level, shared by the nodes of a level. Only one node per level is on the walked path
+and which one depends on the levels above only, so every step of the walk uses a fresh uniform; siblings with equal
+tokens (padding slots of a small window) draw the same y, so which of them the walk enters does not matter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import parallel
+from ..models.registry import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy, token for token the AR output
+    top_p: float = 1.0  # keep the smallest set of most likely tokens whose mass reaches top_p
+    top_k: int = 0  # keep the top_k most likely tokens; 0: no limit
+    seed: int | None = None  # None: a fresh random seed per request
+
+    def __post_init__(self):
+        t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise UserError(f"top_k must be an integer >= 0 (0 = no limit), got {k!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2 ** 64):
+            raise UserError(f"seed must be an integer in [0, 2^64), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:  # top-k / top-p need a sort over the vocabulary; plain temperature does not
+        return self.top_k > 0 or self.top_p < 1
+
+
+GREEDY = SamplingParams()
+
+
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 filtered: bool) -> torch.Tensor:
+    """[T, V] logits -> [T, V] fp32 probabilities after temperature, top-k (k >= 1) and top-p (device scalars)."""
+    x = logits.float()
+    x = (x - x.amax(-1, keepdim=True)) / temperature  # shift first: a tiny temperature gives -inf, never inf - inf
+    if filtered:
+        s, order = x.sort(-1, descending=True)
+        s = s.masked_fill(torch.arange(x.shape[-1], device=x.device) >= top_k, float("-inf"))
+        p = s.softmax(-1)
+        # a token stays while the mass before it is below top_p (the most likely one always stays); top_p = 1
+        # keeps all, even where the float cumsum reaches 1 early
+        keep = (p.cumsum(-1) - p < top_p) | (top_p >= 1)
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, s.masked_fill(~keep, float("-inf")))
+    return x.softmax(-1)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [T, V] by inverse CDF, with u [T] (or a scalar) uniform in [0, 1).
+    With 1 - u in (0, 1], the first index whose cumulative mass reaches (1 - u) * total always has probability > 0."""
+    c = probs.cumsum(-1)
+    return (c < (1 - u)[..., None] * c[..., -1:]).sum(-1)
+
+
+class Sampler:
+    """One request's sampling state, in persistent device tensors that captured CUDA graphs read: the knobs, and `u`,
+    one uniform per tree level for the next step, drawn from the request's generator before each step outside the
+    graphs (a kernel launch, no host sync). Greedy requests never touch it: their path is the argmax, as before."""
+
+    def __init__(self, argmax, device: torch.device, levels: int):
+        self.argmax = argmax  # the target's (vocabulary-split under tensor parallelism)
+        self.temperature = torch.ones((), device=device)
+        self.top_k = torch.zeros((), dtype=torch.long, device=device)
+        self.top_p = torch.ones((), device=device)
+        self.u = torch.zeros(levels, device=device)
+        self.generator = torch.Generator(device)
+        self.params = GREEDY
+
+    def start(self, params: SamplingParams, vocab_size: int) -> None:
+        if not params.greedy and parallel.world() > 1:
+            raise UserError("sampling with tensor parallelism (--tp > 1) is not supported yet: use temperature 0")
+        self.params = params
+        if params.greedy:
+            return
+        self.temperature.fill_(params.temperature)
+        self.top_k.fill_(params.top_k or vocab_size)
+        self.top_p.fill_(params.top_p)
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def mode(self) -> str:
+        """Which code a step runs, so each gets its own CUDA graphs."""
+        p = self.params
+        return "greedy" if p.greedy else "top-k/p" if p.filtered else "sample"
+
+    @property
+    def draft_temperature(self) -> torch.Tensor | None:
+        """The temperature the draft scores its tree with (spec/tree.py draft_tree)."""
+        return None if self.params.greedy else self.temperature
+
+    def next(self) -> None:
+        if not self.params.greedy:
+            self.u.uniform_(generator=self.generator)
+
+    def choose(self, logits: torch.Tensor, level) -> torch.Tensor:
+        """The target's token for each row of logits [T, V]: its argmax (greedy), or a draw from its processed
+        distribution with the uniform of the row's tree level (level: [T] or an int)."""
+        if self.params.greedy:
+            return self.argmax(logits)
+        p = target_probs(logits, self.temperature, self.top_k, self.top_p, self.params.filtered)
+        return draw(p, self.u[level])
