@@ -170,6 +170,8 @@ BAD_KNOBS = [
     ("--total-tokens", 512, "total_tokens must be between 2 and 511"),
     ("--max-seq-len", 0, "max_seq_len must be at least 1, got 0"),
     ("--max-seq-len", -5, "max_seq_len must be at least 1, got -5"),
+    ("--tp", 0, "tp must be at least 1, got 0"),
+    ("--tp-timeout", 0, "tp_timeout must be positive, got 0.0"),
 ]
 
 

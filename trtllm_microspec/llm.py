@@ -45,7 +45,8 @@ def resolve_engine(engine: str | Path) -> Path:
 
 
 def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3, static_k: int = 32768,
-                depth: int = 5, top_k: int = 10, total_tokens: int = 60, max_seq_len: int | None = None) -> None:
+                depth: int = 5, top_k: int = 10, total_tokens: int = 60, max_seq_len: int | None = None,
+                tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S) -> None:
     """Refuse knobs the engine cannot run, in one line, before they fail deep inside a kernel (a window of 0 ids
     divides by zero, a top-k over fewer candidates than k is out of range, a negative length is a negative size)."""
     def need(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
@@ -65,6 +66,9 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
     need("k_ver", k_ver, 0, vocab_size, f"0: rounds add only the draft tree's tokens; {vocab}")
     if max_seq_len is not None:
         need("max_seq_len", max_seq_len, 1)
+    need("tp", tp, 1)
+    if tp_timeout <= 0:
+        raise UserError(f"tp_timeout must be positive, got {tp_timeout}")
 
 
 @dataclass
@@ -89,11 +93,9 @@ class LLM:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
         check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, depth, top_k,
-                    total_tokens, max_seq_len)
+                    total_tokens, max_seq_len, tp, tp_timeout)
         self.method = method
         self.device, dtype = pick_device(device, dtype)
-        if tp < 1:
-            raise UserError(f"tp must be at least 1, got {tp}")
         if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
             self.device = parallel.init(tp, self.device, tp_timeout)
         self.target, self.tokenizer = load_target(self.engine_dir, self.device, dtype, max_seq_len)

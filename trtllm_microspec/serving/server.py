@@ -237,7 +237,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
             a.engine = resolve_engine(a.engine).resolve()  # builds a model key's engine here, not in the stub
             # bad knobs fail here in one line, not later as a model that will not load inside the server
             check_knobs(read_config(a.engine).vocab_size, a.w_max, a.k_pre, a.k_ver, a.static_k, a.depth, a.top_k,
-                        a.total_tokens, a.max_seq_len)
+                        a.total_tokens, a.max_seq_len, a.tp, a.tp_timeout)
             check_queue_size(a.max_queue_size)
             draft = Path(a.draft) if a.draft else a.engine / DRAFT_SUBDIR
             if a.method != "ar" and not draft.exists():
