@@ -155,7 +155,7 @@ def test_build_scripts_are_the_cli(script, argv, tmp_path):
 BAD_KNOBS = [
     ("--w-max", 0, "w_max must be between 10 and 49152"),
     ("--w-max", -3, "w_max must be between 10 and 49152"),
-    ("--w-max", 9, "the window holds at least top_k ids"),
+    ("--w-max", 9, "the window holds at least the tree's top_k ids"),
     ("--w-max", 49153, "w_max must be between 10 and 49152"),
     ("--k-pre", -1, "k_pre must be between 0 and 49152 (0: the window starts from the prompt's own tokens"),
     ("--k-pre", 49153, "k_pre must be between 0 and 49152"),
@@ -163,8 +163,8 @@ BAD_KNOBS = [
     ("--static-k", 0, "static_k must be between 10 and 49152"),
     ("--depth", 0, "depth must be at least 1, got 0"),
     ("--depth", -2, "depth must be at least 1, got -2"),
-    ("--tree-top-k", 0, "top_k must be between 1 and 49152"),
-    ("--tree-top-k", 49153, "top_k must be between 1 and 49152"),
+    ("--tree-top-k", 0, "the tree's top_k must be between 1 and 49152"),
+    ("--tree-top-k", 49153, "the tree's top_k must be between 1 and 49152"),
     ("--total-tokens", 0, "total_tokens must be between 2 and 511 (the root plus up to 510 draft tokens"),
     ("--total-tokens", 1, "total_tokens must be between 2 and 511"),
     ("--total-tokens", 512, "total_tokens must be between 2 and 511"),
@@ -172,7 +172,14 @@ BAD_KNOBS = [
     ("--max-seq-len", -5, "max_seq_len must be at least 1, got -5"),
     ("--tp", 0, "tp must be at least 1, got 0"),
     ("--tp-timeout", 0, "tp_timeout must be positive, got 0.0"),
+    ("--temperature", -1, "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    ("--temperature", "nan", "temperature must be a finite number >= 0"),
+    ("--top-p", 0, "top_p must be in (0, 1], got 0.0"),
+    ("--top-p", 1.5, "top_p must be in (0, 1], got 1.5"),
+    ("--top-k", -1, "top_k must be an integer >= 0 (0 = no limit), got -1"),
+    ("--seed", -1, "seed must be an integer in [0, 2^64), got -1"),
 ]
+SAMPLING = ("--temperature", "--top-p", "--top-k", "--seed")  # generate's (and bench's), not serve's
 
 
 def serve_available() -> bool:
@@ -191,6 +198,8 @@ def serve_available() -> bool:
 def test_bad_knob_is_one_line_error(capsys, engine, random_draft_dir, command, flag, value, message):
     if command == "serve" and not serve_available():
         pytest.skip("serve extra not installed")
+    if command == "serve" and flag in SAMPLING:
+        pytest.skip("sampling is per request in serve: its inputs are checked in test_sampling / test_serving")
     argv = [command, "--engine", engine, "--draft", random_draft_dir, "--device", "cpu", "--method", "microspec",
             flag, value]
     if command == "generate":

@@ -55,13 +55,13 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
             raise UserError(f"{name} must be {bounds}{f' ({why})' if why else ''}, got {value}")
 
     vocab = f"the vocabulary has {vocab_size} ids"
-    need("top_k", top_k, 1, vocab_size, vocab)
+    need("the tree's top_k", top_k, 1, vocab_size, vocab)
     need("depth", depth, 1)
     pool = top_k + depth * top_k * top_k  # the draft tokens an EAGLE-2 tree of this top_k and depth chooses from
-    need("total_tokens", total_tokens, 2, pool + 1, f"the root plus up to {pool} draft tokens at top_k {top_k}, "
-         f"depth {depth}")
-    need("w_max", w_max, top_k, vocab_size, f"the window holds at least top_k ids; {vocab}")
-    need("static_k", static_k, top_k, vocab_size, f"at least top_k ids; {vocab}")
+    need("total_tokens", total_tokens, 2, pool + 1, f"the root plus up to {pool} draft tokens at the tree's top_k "
+         f"{top_k}, depth {depth}")
+    need("w_max", w_max, top_k, vocab_size, f"the window holds at least the tree's top_k ids; {vocab}")
+    need("static_k", static_k, top_k, vocab_size, f"at least the tree's top_k ids; {vocab}")
     need("k_pre", k_pre, 0, vocab_size, f"0: the window starts from the prompt's own tokens; {vocab}")
     need("k_ver", k_ver, 0, vocab_size, f"0: rounds add only the draft tree's tokens; {vocab}")
     if max_seq_len is not None:
