@@ -262,6 +262,10 @@ def cli(capsys, engine_dir, *extra):
 def test_cli_bad_values(capsys, engine_dir, flag, value, words):
     code, _, err = cli(capsys, engine_dir, flag, value)
     assert code == 2 and err.strip().count("\n") == 0 and err.startswith("microspec: error: ") and words in err, err
+    with pytest.raises(SystemExit) as e:  # the gRPC client checks them before sending (no server here)
+        main(["client", "--url", "127.0.0.1:1", "--prompt", "hi", flag, str(value)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().count("\n") == 0 and words in err, err
 
 
 def test_cli_sampling(capsys, engine_dir, ar):

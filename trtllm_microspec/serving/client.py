@@ -144,7 +144,13 @@ def load(url: str, prompts: list[str], concurrency: int, requests: int, max_toke
 
 
 def cmd_client(a: argparse.Namespace) -> None:
-    kw = dict(stream=not a.no_stream, chat=a.chat, end_id=a.end_id, stop_words=a.stop, model=a.model)
+    from ..cli import sampling_from_args
+
+    s = sampling_from_args(a)  # a bad value is one line here, before any request
+    sampling = {"temperature": s["temperature"], "top_p": s["top_p"], "top_k": s["top_k"],
+                **({"random_seed": s["seed"]} if s["seed"] is not None else {})}
+    kw = dict(stream=not a.no_stream, chat=a.chat, end_id=a.end_id, stop_words=a.stop, model=a.model,
+              sampling=sampling)
     if a.requests:
         r = load(a.url, a.prompt, a.concurrency, a.requests, a.max_tokens, **kw)
         if a.json:
@@ -176,6 +182,8 @@ def cmd_client(a: argparse.Namespace) -> None:
 
 
 def register(sub) -> None:
+    from ..cli import add_sampling_args
+
     p = sub.add_parser("client", help="stream a request from `microspec serve`, or measure it under load")
     p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC address")
     p.add_argument("--model", default=MODEL_NAME)
@@ -188,4 +196,5 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="load mode: parallel clients")
     p.add_argument("--requests", type=int, default=0, help="load mode: total requests (0: one streamed request)")
     p.add_argument("--json", action="store_true", help="print the result or the load report as JSON")
+    add_sampling_args(p)
     p.set_defaults(func=cmd_client)
