@@ -5,12 +5,15 @@ split is tested on a model cut from its real weights: its first 6 heads (the 2 K
 8 layers, with the shipped EAGLE head for the draft (it was trained on the whole model, so it is accepted less
 often; the output must still be the target's). Gemma-3-270M (4 heads, 1 KV head) tests the replicated KV head,
 Gemma's norms and a vocabulary of 262,144 split in two. A rank that stops answering ends the other with a
-one-line error after --tp-timeout instead of a hang.
+one-line error after --tp-timeout instead of a hang. `microspec serve --tp 2` (the Triton model as rank 0, one
+follower) answers as TP=1 does, and a follower that dies stops it with one line.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,3 +124,67 @@ def test_a_rank_that_stops_answering_ends_the_others(split_engine):
     assert time.monotonic() - t0 < 200
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("microspec: error:")]
     assert len(errors) == 1 and errors[0].startswith("microspec: error: rank 0 of 2: ") and "Timed out" in errors[0]
+
+
+@pytest.fixture(scope="module")
+def tp_server(split_engine):
+    """`microspec serve --tp 2` on the CPU (gloo), small tree and cache so that it is quick."""
+    pytest.importorskip("tritonclient")
+    from trtllm_microspec.serving.server import pytriton_dir, stub_site
+    try:
+        pytriton_dir()
+        stub_site(None)
+    except UserError as e:
+        pytest.skip(f"serve extra not installed: {e}")
+    socks = [socket.socket() for _ in range(3)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    http, grpc, metrics = (sock.getsockname()[1] for sock in socks)
+    for sock in socks:
+        sock.close()
+    cmd = [sys.executable, "-m", "trtllm_microspec.cli", "serve", "--tp", "2", *SERVE_KNOBS, "--engine",
+           str(split_engine), "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "ready" in proc.stdout.readline(), proc.stderr.read()
+        yield proc, f"127.0.0.1:{grpc}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
+SERVE_KNOBS = ["--device", "cpu", "--max-seq-len", "256", "--depth", "3", "--tree-top-k", "8", "--total-tokens",
+               "16"]
+
+
+def test_serve_tp2_answers_as_tp1_and_stops_when_a_follower_dies(tp_server, split_engine):
+    from trtllm_microspec.serving import client
+
+    proc, url = tp_server
+    offline = LLM(split_engine, "microspec", device="cpu", max_seq_len=256, depth=3, top_k=8, total_tokens=16)
+    want = offline.generate("The capital of France is", 16)
+    assert client.generate(url, "The capital of France is", 16, stream=True).text == want.text
+    # a stop word ends the request early on rank 0: the follower ends it at the same step, so the next one agrees
+    cut = client.generate(url, "The capital of France is", 16, stop_words=[want.text[6:10]])
+    assert want.text.startswith(cut.text) and cut.stats["num_output_tokens"] < 16
+    assert client.generate(url, "def fibonacci(n):", 12, stream=False).text == offline.generate(
+        "def fibonacci(n):", 12).text
+    follower = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "trtllm_microspec.serving.tp --rank 1"],
+                              capture_output=True, text=True).stdout.split()
+    assert len(follower) == 1
+    subprocess.run(["kill", "-9", follower[0]], check=True)
+    assert proc.wait(60) == 2
+    assert proc.stderr.read().strip().splitlines()[-1].startswith(
+        "microspec: error: tensor-parallel rank 1 exited with code -9")
+
+
+def test_serve_gpus_writes_one_instance_per_gpu():
+    from trtllm_microspec.serving.server import model_config, parse_gpus
+
+    assert "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0, 1 ] } ]" in model_config({}, "gpu",
+                                                                                         gpus=parse_gpus("0,1", 1))
+    assert "instance_group [ { count: 1 kind: KIND_CPU } ]" in model_config({}, "cpu", gpus=parse_gpus(None, 1))
+    for bad, tp in (("0,x", 1), ("1,1", 1), ("0,1", 2)):
+        with pytest.raises(UserError, match="--gpus"):
+            parse_gpus(bad, tp)

@@ -33,9 +33,10 @@ def world() -> int:
 
 
 def init(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, rank_port: tuple | None = None):
-    """Join the tensor-parallel group of `tp` ranks. rank_port = (rank, store port) for processes not started by
-    mpirun (the serving followers); else mpi4py says the rank and rank 0 sends the port. Returns this rank's
-    device: cuda:rank on CUDA (one GPU per rank), the CPU otherwise."""
+    """Join the tensor-parallel group of `tp` ranks. rank_port = (rank, port of a TCP store the launcher hosts) for
+    processes mpirun did not start (`microspec serve --tp`: the Triton model and its followers); else mpi4py says
+    the rank and rank 0 hosts the store and sends its port. Returns this rank's device: cuda:rank on CUDA (one
+    GPU per rank), the CPU otherwise."""
     global _rank, _world
     if _world > 1:  # already joined (an API user building a second LLM)
         if tp != _world:
@@ -53,11 +54,10 @@ def init(tp: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, ra
         store = dist.TCPStore("127.0.0.1", 0, tp, True, wait_for_workers=False) if r == 0 else None
         port = comm.bcast(store.port if store else None, root=0)
     else:
-        r, port = rank_port
-        store = None
+        (r, port), store = rank_port, None
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore("127.0.0.1", port, tp, r == 0, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", port, tp, False, timeout=timeout)
     _rank, _world = r, tp
     dev = _device(device)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=r, world_size=tp,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .. import parallel
 from ..models.registry import UserError
 from .references import HF, HF_COMPILED, REFERENCES, VLLM, VLLM_EAGLE, make_reference, require_vllm
 
@@ -276,13 +277,16 @@ def cmd_bench(a) -> None:
         s = summary["overall"]
         log(f"{label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
             f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)")
-        write(res, out)  # after every run, so that an interrupted benchmark still leaves what it measured
-    print(out / "results.md")
+        if parallel.rank() == 0:  # under --tp every rank measures the same run; rank 0 reports it
+            write(res, out)  # after every run, so that an interrupted benchmark still leaves what it measured
+    if parallel.rank() == 0:
+        print(out / "results.md")
 
 
 def log(msg: str) -> None:
     """What the benchmark is doing now: it runs for minutes to hours."""
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    if parallel.rank() == 0:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def static_coverage_of(engine_dir: Path, ar_ids: dict, questions: list[dict], notes: list[str]) -> dict | None:

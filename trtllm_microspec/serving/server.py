@@ -65,7 +65,7 @@ output [
   {{ name: "acceptance_length" data_type: TYPE_FP32 dims: [ 1 ] }},
   {{ name: "mean_active_vocab" data_type: TYPE_FP32 dims: [ 1 ] }}
 ]
-instance_group [ {{ count: 1 kind: {kind} }} ]
+instance_group [ {{ count: 1 kind: {kind}{gpus} }} ]
 {parameters}
 """
 
@@ -76,7 +76,8 @@ def model_params(a: argparse.Namespace) -> dict[str, str]:
             "device": a.device or "", "w_max": str(a.w_max), "k_pre": str(a.k_pre), "k_ver": str(a.k_ver),
             "static_k": str(a.static_k), "depth": str(a.depth), "top_k": str(a.top_k),
             "total_tokens": str(a.total_tokens), "max_seq_len": str(a.max_seq_len or ""), "dtype": a.dtype or "",
-            "cuda_graphs": str(not a.eager).lower(), "max_queue_size": str(a.max_queue_size)}
+            "cuda_graphs": str(not a.eager).lower(), "max_queue_size": str(a.max_queue_size), "tp": str(a.tp),
+            "tp_timeout": str(a.tp_timeout)}
 
 
 def check_queue_size(n: int) -> None:
@@ -84,14 +85,19 @@ def check_queue_size(n: int) -> None:
         raise UserError(f"max_queue_size must be at least 1, got {n}")
 
 
-def model_config(params: dict[str, str], kind: str = "cpu", name: str = MODEL_NAME) -> str:
+def model_config(params: dict[str, str], kind: str = "cpu", name: str = MODEL_NAME,
+                 gpus: list[int] | None = None) -> str:
+    """gpus: one instance (one engine) on each of these GPUs; None: Triton's default for the kind (a gpu instance
+    on every visible GPU)."""
     lines = "\n".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
-    return CONFIG.format(name=name, kind=f"KIND_{kind.upper()}", parameters=lines)
+    gpus_field = f" gpus: [ {', '.join(map(str, gpus))} ]" if gpus else ""
+    return CONFIG.format(name=name, kind=f"KIND_{kind.upper()}", gpus=gpus_field, parameters=lines)
 
 
-def write_repository(out: Path, params: dict[str, str], kind: str = "cpu", name: str = MODEL_NAME) -> Path:
+def write_repository(out: Path, params: dict[str, str], kind: str = "cpu", name: str = MODEL_NAME,
+                     gpus: list[int] | None = None) -> Path:
     (out / name / "1").mkdir(parents=True, exist_ok=True)
-    (out / name / "config.pbtxt").write_text(model_config(params, kind, name))
+    (out / name / "config.pbtxt").write_text(model_config(params, kind, name, gpus=gpus))
     (out / name / "1" / "model.py").write_text(MODEL_PY)
     return out
 
@@ -223,6 +229,56 @@ class TritonServer:
         self.stop()
 
 
+def parse_gpus(text: str | None, tp: int) -> list[int] | None:
+    """--gpus 0,1 -> [0, 1]: one engine instance per GPU (data parallel)."""
+    if not text:
+        return None
+    if tp > 1:
+        raise UserError("--gpus and --tp > 1 together are not supported: the tensor-parallel instance uses GPUs "
+                        "0 .. tp-1")
+    try:
+        gpus = [int(g) for g in text.split(",")]
+    except ValueError:
+        raise UserError(f"--gpus takes GPU ids separated by commas, e.g. 0,1; got {text!r}") from None
+    if len(set(gpus)) != len(gpus) or min(gpus) < 0:
+        raise UserError(f"--gpus takes distinct GPU ids, each at least 0; got {text!r}")
+    return gpus
+
+
+class Followers:
+    """`serve --tp N`: ranks 1 .. N-1 (serving/tp.py), started beside the server; they end with it. `check` turns a
+    follower that died into a one-line error with the last line it wrote."""
+
+    def __init__(self, a: argparse.Namespace, port: int | None, log_file: Path):
+        self.a, self.port, self.log_file, self.procs = a, port, log_file, []
+
+    def __enter__(self) -> Followers:
+        if self.port is None:
+            return self
+        with open(self.log_file, "ab") as log:
+            for r in range(1, self.a.tp):
+                cmd = [sys.executable, "-m", "trtllm_microspec.serving.tp", "--rank", str(r), "--tp", str(self.a.tp),
+                       "--port", str(self.port), "--device", self.a.device or "", "--tp-timeout",
+                       str(self.a.tp_timeout)]
+                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL, start_new_session=True))
+        return self
+
+    def check(self) -> None:
+        for r, p in enumerate(self.procs, 1):
+            if p.poll() is not None:
+                last = (self.log_file.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+                raise UserError(f"tensor-parallel rank {r} exited with code {p.returncode}: {last}")
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            try:
+                p.wait(5)  # the model's finalize has told it to exit
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def cmd_serve(a: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM unwinds like Ctrl-C: the server is stopped
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background of a script
@@ -230,6 +286,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
     stub_site(a.stub_site)
     with tempfile.TemporaryDirectory(prefix="microspec-repo-") as tmp:
         repo = Path(a.model_repository) if a.model_repository else None
+        port = None  # of the tensor-parallel group's store (--tp > 1)
         if repo is None:
             from ..engine.loader import read_config
             from ..llm import DRAFT_SUBDIR, check_knobs, resolve_engine
@@ -243,12 +300,23 @@ def cmd_serve(a: argparse.Namespace) -> None:
             if a.method != "ar" and not draft.exists():
                 raise UserError(f"method {a.method} needs a draft head: pass --draft DIR (none at {draft})")
             a.draft = draft.resolve() if a.draft else None
-            kind = a.instance_kind or ("gpu" if (a.device or "").startswith("cuda") else "cpu")
-            repo = write_repository(Path(tmp), model_params(a), kind)
+            gpus = parse_gpus(a.gpus, a.tp)
+            kind = a.instance_kind or ("gpu" if gpus or (a.device or "").startswith("cuda") else "cpu")
+            params = model_params(a)
+            if a.tp > 1:  # this process hosts the group's store: the model (rank 0) and the followers join it
+                import torch.distributed as dist
+
+                store = dist.TCPStore("127.0.0.1", 0, a.tp, True, wait_for_workers=False)
+                port = store.port
+                params["tp_port"] = str(port)
+                gpus = [0] if kind == "gpu" else None  # one instance, rank 0 on GPU 0; followers on 1 .. tp-1
+            repo = write_repository(Path(tmp), params, kind, gpus=gpus)
         elif not (repo / MODEL_NAME / "config.pbtxt").exists():
             raise UserError(f"{repo} has no {MODEL_NAME}/config.pbtxt")
-        with TritonServer(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, a.exit_timeout,
-                          a.log_file, a.stub_site) as server:
+        # the followers outlive the server: it stops first, and its model tells them to exit
+        with Followers(a, port, Path(tmp) / "tp-followers.log") as followers, \
+                TritonServer(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, a.exit_timeout, a.log_file,
+                             a.stub_site) as server:
             print(f"starting tritonserver on {repo} (log: {server.log_file})", file=sys.stderr)
             t0 = time.monotonic()
             server.wait_ready(timeout=a.ready_timeout)
@@ -259,7 +327,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
                   f"  metrics  http://{a.host}:{a.metrics_port}/metrics\n"
                   "Ctrl-C to stop.", flush=True)
             try:
-                rc = server.proc.wait()
+                while (rc := server.proc.poll()) is None:
+                    followers.check()
+                    time.sleep(0.5)
             except KeyboardInterrupt:
                 print("stopping tritonserver", file=sys.stderr)
                 return
@@ -278,6 +348,8 @@ def register(sub) -> None:
     p.add_argument("--instance-kind", choices=["cpu", "gpu"], help="Triton instance kind (default: gpu for a cuda "
                    "device, else cpu); a gpu instance runs on the device Triton gives it")
     p.add_argument("--max-queue-size", type=int, default=64, help="requests waiting beyond this are refused")
+    p.add_argument("--gpus", help="GPU ids, e.g. 0,1: one engine instance on each (data parallel: concurrent "
+                   "requests spread over them); default: one instance")
     p.add_argument("--host", default="127.0.0.1", help="address the endpoints listen on")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from .. import parallel
 from ..llm import LLM
 from ..models.registry import UserError
 from ..spec.sampling import SamplingParams
+from . import tp as tp_serving
 from .server import STOP_FILE_ENV, check_queue_size
 
 # SamplingParams field -> the optional request input that sets it (TensorRT-LLM's names); none given: greedy
@@ -102,11 +104,21 @@ class TritonPythonModel:
         if args["model_instance_kind"] == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
         ints = _int_params(p, ("w_max", "k_pre", "k_ver", "static_k", "depth", "top_k", "total_tokens", "max_seq_len",
-                               "max_queue_size"))
+                               "max_queue_size", "tp", "tp_port"))
         max_queue_size = ints.pop("max_queue_size", 64)
         check_queue_size(max_queue_size)  # LLM checks the others
-        self.llm = LLM(p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
-                       device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false", **ints)
+        tp_port = ints.pop("tp_port", None)
+        kwargs = dict(engine=p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
+                      device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false", **ints)
+        self.tp = ints.get("tp", 1)
+        if self.tp > 1:  # rank 0 of `microspec serve --tp`: its followers run every step with it (serving/tp.py)
+            if tp_port is None:
+                raise UserError("tp > 1 needs the tp_port of the group's store: start it with `microspec serve --tp`")
+            kwargs["tp_timeout"] = float(p.get("tp_timeout") or parallel.DEFAULT_TIMEOUT_S)
+            tp_serving.join(self.tp, 0, tp_port, device, kwargs["tp_timeout"])
+            self.llm = tp_serving.lead(LLM, kwargs)
+        else:
+            self.llm = LLM(**kwargs)
         # one short generation before the model reports ready: kernel loading and the CUDA-graph capture of the first
         # KV bucket are paid here, not by the first client (on the H200 its first token took 0.79 s without this)
         self.llm.generate("Hello", 16)
@@ -146,6 +158,8 @@ class TritonPythonModel:
                 _send(job.sender, _error("the server is shutting down", "UNAVAILABLE"), final=True)
         self.jobs.put(None)
         self.worker.join(timeout=30)
+        if self.tp > 1:
+            tp_serving.stop()
 
     def _stopping(self) -> bool:
         return self.stopping or bool(self.stop_file and os.path.exists(self.stop_file))

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 15 on a 2-GPU machine: tensor parallelism (TP=1 vs TP=2) and data-parallel serving (one vs two instances).
+#   bash benchmarks/tp_gpu.sh STAGE [STAGE ...]      (KEY=qwen2.5-coder-1.5b, results in $OUT, default ./tp_out)
+# Stages:
+#   equal      fp32: TP=2 emits TP=1's tokens for ar and microspec (one chat prompt, 256 tokens)
+#   speed      Spec-Bench + HumanEval, ar and microspec with $HEAD, bf16, at TP=1 then TP=2 (tokens/s in results.md)
+#   allreduce  the all-reduce share of the GPU kernel time of 256 tokens at TP=2 (ar and microspec; torch.profiler,
+#              CUDA graphs on: the NCCL kernels of the captured steps count too)
+#   dp         `serve --gpus 0` vs `serve --gpus 0,1`: 64 requests at concurrency 16 (output tok/s of each)
+# mpirun needs --allow-run-as-root as root; serving needs what benchmarks/gpu_serve_check.sh describes (STUB_SITE).
+set -euo pipefail
+KEY=${KEY:-qwen2.5-coder-1.5b}
+OUT=${OUT:-tp_out}
+HEAD=${HEAD:-${MICROSPEC_CACHE:-$HOME/.cache/microspec}/engines/$KEY/eagle}
+LIMIT=${LIMIT:-3}
+TOKENS=${TOKENS:-256}
+STUB_SITE=${STUB_SITE:-/tmp/stub-site}
+PROMPT="Write a Python function that merges two sorted lists, with a docstring and tests."
+MPI=(mpirun --allow-run-as-root -n 2)
+mkdir -p "$OUT"
+ms() { python3 -m trtllm_microspec.cli "$@"; }
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    equal)
+      for m in ar microspec; do
+        ms generate --engine "$KEY" --draft "$HEAD" --method $m --dtype float32 --chat --prompt "$PROMPT" \
+          --max-new-tokens "$TOKENS" --json > "$OUT/equal_${m}_tp1.json"
+        "${MPI[@]}" python3 -m trtllm_microspec.cli generate --tp 2 --engine "$KEY" --draft "$HEAD" --method $m \
+          --dtype float32 --chat --prompt "$PROMPT" --max-new-tokens "$TOKENS" --json > "$OUT/equal_${m}_tp2.json"
+        python3 - "$OUT/equal_${m}_tp1.json" "$OUT/equal_${m}_tp2.json" <<'EOF'
+import json, sys
+a, b = (json.load(open(f))["token_ids"] for f in sys.argv[1:])
+print(f"{sys.argv[2]}: {len(b)} tokens, TP=2 == TP=1: {a == b}")
+EOF
+      done ;;
+    speed)
+      ms bench --engine "$KEY" --draft "$HEAD" --methods ar,microspec --limit "$LIMIT" --max-new-tokens "$TOKENS" \
+        --out "$OUT/speed_tp1"
+      "${MPI[@]}" python3 -m trtllm_microspec.cli bench --tp 2 --engine "$KEY" --draft "$HEAD" --methods ar,microspec \
+        --limit "$LIMIT" --max-new-tokens "$TOKENS" --out "$OUT/speed_tp2" ;;
+    allreduce)
+      for m in ar microspec; do
+        "${MPI[@]}" python3 - "$KEY" "$HEAD" $m "$PROMPT" "$TOKENS" <<'EOF' | tee "$OUT/allreduce_$m.txt"
+import sys, torch
+from torch.profiler import ProfilerActivity, profile
+from trtllm_microspec import LLM, parallel
+key, head, method, prompt, tokens = sys.argv[1:]
+llm = LLM(key, method, draft=head if method != "ar" else None, tp=2)
+llm.generate(prompt, int(tokens), chat=True)  # warm-up: CUDA-graph capture
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    r = llm.generate(prompt, int(tokens), chat=True)
+    torch.cuda.synchronize()
+ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+total = sum(e.self_device_time_total for e in ev)
+nccl = sum(e.self_device_time_total for e in ev if "nccl" in e.key.lower())
+print(f"rank {parallel.rank()} {method}: {r.stats['tokens_per_s']:.1f} tok/s, all-reduce/gather kernels "
+      f"{nccl / total:.1%} of {total / 1e3:.0f} ms GPU kernel time")
+EOF
+      done ;;
+    dp)
+      for gpus in 0 0,1; do
+        ms serve --engine "$KEY" --draft "$HEAD" --gpus $gpus --stub-site "$STUB_SITE" --grpc-port 8101 \
+          --http-port 8100 --metrics-port 8102 > "$OUT/serve_$gpus.out" 2>&1 &
+        SERVE=$!
+        until grep -q ready "$OUT/serve_$gpus.out"; do
+          kill -0 $SERVE 2>/dev/null || { cat "$OUT/serve_$gpus.out"; exit 1; }
+          sleep 2
+        done
+        ms client --url 127.0.0.1:8101 --chat --prompt "$PROMPT" --max-tokens "$TOKENS" --concurrency 16 \
+          --requests 64 | tee "$OUT/dp_gpus_$gpus.txt"
+        kill $SERVE && wait $SERVE || true
+      done ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
