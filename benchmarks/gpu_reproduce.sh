@@ -39,7 +39,7 @@ save_draft(EagleDraft(draft_config(ModelConfig.load(engine / "config.json")), bi
 EOF
       for dt in float32 bfloat16; do
         ms bench --engine "$KEY" --draft "$OUT/random_head" --dtype $dt --methods ar,eagle,microspec --limit 1 \
-          --max-new-tokens 128 --warmup 1 --out "$OUT/lossless_$dt" | grep "mismatches"
+          --max-new-tokens 128 --warmup 1 --out "$OUT/lossless_$dt" 2>&1 | grep "mismatches"
       done ;;
     train)
       ms train-draft --engine "$KEY" --out "$HEAD" --time-limit "$TRAIN_LIMIT" --save-every 0 --eval \

@@ -55,7 +55,7 @@ def run(a) -> None:
     draft = EagleDraft(draft_config(c), bias=False).setup(target, torch.bfloat16, dev)
     vocab = FullVocab(target.head_weight)
     g = torch.Generator().manual_seed(0)
-    L, n = a.prefill, torch.tensor(a.context, device=dev)
+    L, n, zero = a.prefill, torch.tensor(a.context, device=dev), torch.tensor(0, device=dev)
     ids = torch.randint(c.vocab_size, (max(L, a.context),), generator=g).to(dev)
     S = a.context + 256
     anc, depth = random_tree(g, a.tree, dev)
@@ -66,7 +66,7 @@ def run(a) -> None:
     one = causal(1, dev)
     with torch.no_grad():  # fill the caches so the steps attend over real keys
         pos = torch.arange(a.context, device=dev)
-        target(ids[:a.context], pos, pos, Span(torch.tensor(0, device=dev), causal(a.context, dev), a.context))
+        target(ids[:a.context], pos, pos, Span(zero, causal(a.context, dev), a.context))
 
     from ..spec.tree import Tree
 
@@ -78,7 +78,7 @@ def run(a) -> None:
         f"draft phase (depth {cfg.depth}, top-{cfg.top_k}, full head)": lambda: draft_tree(draft, vocab, h_last, root,
                                                                                          n, S, cfg),
         f"prefill ({L} tokens)": lambda: target(ids[:L], torch.arange(L, device=dev), torch.arange(L, device=dev),
-                                                Span(torch.tensor(0, device=dev), causal(L, dev), L)),
+                                                Span(zero, causal(L, dev), L)),
     }
     timer = Timer(a.iters)
     rows = []
