@@ -1,8 +1,9 @@
 """`python -m plugins.check_layers`: the Triton layer kernels against the torch reference on random inputs.
 
 Each op (add + RMSNorm, rotary + cache write, gated activation, attention over random tree / causal / windowed
-spans) and then whole forwards of small random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k
-norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
+spans, and over batches of requests with their own committed lengths in a pool behind random block tables) and
+then whole forwards (one request, and a batch in a paged pool against each request alone) of small random
+Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
 unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
 bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
 small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1 on any failure.
@@ -106,13 +107,57 @@ def check_attention(dev, dtype, g, H: int, KV: int, D: int, T: int, n: int, S: i
     scale = D ** -0.5
     with layers.path(True):
         got = layers.attention(q, k, v, span, q_pos, k_pos, window, scale)
-    mask = span.mask(window, q_pos, k_pos)
+    mask = span.mask(window, q_pos, k_pos)[0]
     # a row that sees nothing (possible only with a window in this synthetic test) is left out
     seen = mask.any(1)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(0, 1), k[:, :S].double(), v[:, :S].double(), attn_mask=mask, scale=scale,
         enable_gqa=True).transpose(0, 1)
     return rel(got[seen], ref[seen])
+
+
+def check_paged_attention(dev, dtype, g, H: int, KV: int, D: int, B: int, T: int, S: int, window: int,
+                          kind: str) -> float:
+    """B requests of T rows each, every one with its own committed length n (0 .. S - T) and new-slot mask, its
+    slots scattered over a shared pool by a random block table. Both paths (Triton and the batched reference)
+    against a float64 attention of each request alone over its own contiguous keys."""
+    from .layers import KV_BLOCK
+
+    blocks = -(-S // KV_BLOCK)
+    pool = B * blocks + 3  # spare blocks: not every pool block belongs to a request
+    table = torch.randperm(pool, generator=g)[:B * blocks].view(B, blocks)
+    n = torch.randint(0, S - T + 1, (B,), generator=g)
+    n[0] = S - T  # one request fills the span
+    if kind == "tree":
+        new = torch.stack([random_tree(g, T) for _ in range(B)])
+    else:
+        new = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    q = torch.randn(B * T, H, D, generator=g).to(dev, dtype)
+    k_log = torch.randn(B, KV, S, D, generator=g).to(dtype)  # each request's keys by logical slot
+    v_log = torch.randn(B, KV, S, D, generator=g).to(dtype)
+    pos_log = torch.stack([torch.randperm(S, generator=g) for _ in range(B)])
+    phys = (table[:, torch.arange(S) // KV_BLOCK] * KV_BLOCK + torch.arange(S) % KV_BLOCK)  # [B, S]
+    k = torch.full((KV, pool * KV_BLOCK, D), float("nan"), dtype=dtype)  # slots no request owns are poison
+    v = k.clone()
+    k_pos = torch.zeros(pool * KV_BLOCK, dtype=torch.long)
+    for b in range(B):
+        k[:, phys[b]], v[:, phys[b]], k_pos[phys[b]] = k_log[b], v_log[b], pos_log[b]
+    k, v, k_pos = k.to(dev), v.to(dev), k_pos.to(dev)
+    # each row at the position of its own new slot, so windows cut inside the committed keys
+    q_pos = torch.cat([pos_log[b, n[b] + torch.arange(T)] for b in range(B)]).to(dev)
+    span = Span(n.to(dev), new.to(dev), S, table.to(dev))
+    got, ref_b = both(lambda: layers.attention(q, k, v, span, q_pos, k_pos, window, D ** -0.5))
+    err = 0.0
+    for b in range(B):
+        rows = slice(b * T, (b + 1) * T)
+        one = Span(n[b], new[b], S)
+        mask = one.mask(window, q_pos[rows].cpu(), pos_log[b])[0]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].cpu().double().transpose(0, 1), k_log[b].double(), v_log[b].double(), attn_mask=mask,
+            scale=D ** -0.5, enable_gqa=True).transpose(0, 1)
+        seen = mask.any(1)
+        err = max(err, rel(got[rows].cpu()[seen], ref[seen]), rel(ref_b[rows].cpu()[seen], ref[seen]))
+    return err
 
 
 def tiny_config(arch: str, D: int):
@@ -156,6 +201,58 @@ def check_model(dev, dtype, g, arch: str, D: int) -> float:
     return err
 
 
+def check_model_batched(dev, dtype, g, arch: str, D: int) -> float:
+    """Three requests in one paged pool: prefill (different lengths, padded to one T with rows that see only
+    themselves), then a tree of 6 per request in one batched forward, against each request run alone on a
+    single-sequence cache (Triton path on both sides)."""
+    from trtllm_microspec.models.model import KVCache, Transformer
+
+    from .layers import KV_BLOCK
+
+    torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    model = Transformer(tiny_config(arch, D))
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.setup(dtype, dev)
+    cfg = model.cfg
+    lens, N, B = [23, 40, 9], 6, 3
+    T = max(lens)
+    S = T + N
+    blocks = -(-S // KV_BLOCK)
+    table = torch.randperm(B * blocks + 2, generator=g)[:B * blocks].view(B, blocks).to(dev)
+    ids = [torch.randint(300, (L + N,), generator=g).to(dev) for L in lens]
+    trees = [random_tree(g, N).to(dev) for _ in range(B)]
+    with layers.path(True), torch.no_grad():
+        alone = []
+        for b in range(B):
+            model.cache = KVCache(cfg, cfg.num_layers, dtype, dev)
+            L, pos = lens[b], torch.arange(lens[b], device=dev)
+            h1 = model(ids[b][:L], pos, pos, Span(torch.tensor(0, device=dev), pos.new_ones(L, L).bool().tril(), L))
+            depth = trees[b].sum(1) - 1
+            h2 = model(ids[b][L:], L + depth, L + torch.arange(N, device=dev),
+                       Span(torch.tensor(L, device=dev), trees[b], L + N))
+            alone.append((h1, h2))
+        model.cache = KVCache(cfg, cfg.num_layers, dtype, dev, slots=(B * blocks + 2) * KV_BLOCK)
+        model.cache.k.fill_(float("nan"))
+        model.cache.v.fill_(float("nan"))
+        # prefill padded to T rows each: a padding row writes its own slot past the prompt and sees only itself
+        toks = torch.cat([torch.cat([ids[b][:lens[b]], ids[b].new_zeros(T - lens[b])]) for b in range(B)])
+        pos = torch.arange(T, device=dev).repeat(B)
+        new = torch.ones(B, T, T, dtype=torch.bool, device=dev).tril()
+        for b in range(B):
+            new[b, lens[b]:] = torch.eye(T, dtype=torch.bool, device=dev)[lens[b]:]
+        h1 = model(toks, pos, pos, Span(torch.zeros(B, dtype=torch.long, device=dev), new, T, table))
+        n = torch.tensor(lens, device=dev)
+        toks = torch.cat([ids[b][lens[b]:] for b in range(B)])
+        pos = torch.cat([lens[b] + trees[b].sum(1) - 1 for b in range(B)])
+        slots = (n[:, None] + torch.arange(N, device=dev)).flatten()
+        h2 = model(toks, pos, slots, Span(n, torch.stack(trees), S, table))
+    err = 0.0
+    for b in range(B):
+        err = max(err, rel(h1[b * T:b * T + lens[b]], alone[b][0]), rel(h2[b * N:(b + 1) * N], alone[b][1]))
+    return err
+
+
 def fix_interpreter() -> None:
     """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(array), which
     numpy >= 2.4 refuses ("only 0-dimensional arrays..."): a loop bound read from memory then fails on the CPU.
@@ -195,8 +292,16 @@ def run(dev: str, big: bool) -> int:
             for T, n, S, w, kind in cases:
                 err = check_attention(dev, dtype, g, H, KV, D, T, n, S, w, kind)
                 rows.append((f"attention {kind} T={T} n={n} S={S} window={w} H={H}/{KV} D={D} {dn}", err, tol))
+        paged = [(4, 1, 200, 0, "causal"), (3, 12, 300, 0, "tree"), (5, 7, 250, 64, "causal")] if big else \
+                [(3, 1, 70, 0, "causal"), (2, 6, 40, 0, "tree"), (3, 5, 50, 16, "causal")]
+        for H, KV, D in shapes[:2]:
+            for B, T, S, w, kind in paged:
+                err = check_paged_attention(dev, dtype, g, H, KV, D, B, T, S, w, kind)
+                rows.append((f"paged attention {kind} B={B} T={T} S={S} window={w} H={H}/{KV} D={D} {dn}", err, tol))
         for arch in ("llama", "qwen2", "gemma3"):
             rows.append((f"model {arch} prefill+tree {dn}", check_model(dev, dtype, g, arch, 64 if big else 32), tol))
+            rows.append((f"model {arch} batched paged prefill+tree {dn}",
+                         check_model_batched(dev, dtype, g, arch, 64 if big else 32), tol))
     fails = 0
     for name, err, tol in rows:
         ok = err <= tol

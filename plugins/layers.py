@@ -45,26 +45,61 @@ def path(use_triton: bool):
         _FORCE = old
 
 
+KV_BLOCK = 32  # slots per block of a paged KV cache (the block table's unit)
+
+
 @dataclass
 class Span:
-    """What T new tokens attend to: the n committed cache slots, then the m slots n .. n+m-1 being written now,
-    as the bool mask `new` [T, m] says. The T rows are the last T of those m slots, in order, and a row sees no
-    new slot after its own (causal, tree and draft-expansion masks all are so). S is a static upper bound on the
-    slots read (a CUDA graph's bucket), n a device scalar, so one captured step serves every n."""
-    n: torch.Tensor  # 0-d long
-    new: torch.Tensor  # [T, m] bool
+    """What the rows of a batch of B requests attend to. The rows are B * T, request by request; request b's
+    T rows see its n[b] committed slots, then the slots n[b] .. n[b]+m-1 being written now, as its mask
+    new[b] [T, m] says. The T rows are the last T of those m slots, in order, and a row sees no new slot after
+    its own (causal, tree and draft-expansion masks all are so): the kernel relies on it to stop early.
+    Slots are a request's own (logical); slot s of request b lives at slot
+    block_table[b, s // KV_BLOCK] * KV_BLOCK + s % KV_BLOCK of the shared cache pool (physical). S is a static
+    upper bound on the logical slots read (a CUDA graph's bucket), n a device tensor, so one captured step
+    serves every n. A 0-d n, a [T, m] mask and no table is one request whose logical slots are physical."""
+    n: torch.Tensor  # [B] long (0-d: B = 1)
+    new: torch.Tensor  # [B, T, m] bool ([T, m]: B = 1)
     S: int
-    _masks: dict = field(default_factory=dict, repr=False)  # the reference's [T, S] masks, built once per forward
+    block_table: torch.Tensor | None = None  # [B, blocks] long, blocks * KV_BLOCK >= S; None: the identity
+    _masks: dict = field(default_factory=dict, repr=False)  # the reference's [B, T, S] masks, one per window
+    _slot_map: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.n = self.n.reshape(-1)
+        if self.new.dim() == 2:
+            self.new = self.new[None]
+        if self.block_table is None:
+            assert self.n.numel() == 1, "a batch of requests needs a block table"
+            self.block_table = torch.arange(-(-self.S // KV_BLOCK), device=self.new.device)[None]
+
+    @property
+    def B(self) -> int:
+        return self.new.shape[0]
+
+    def physical(self, slots: torch.Tensor) -> torch.Tensor:
+        """The logical slots of the B * T rows -> their physical slots in the pool."""
+        b = torch.arange(slots.numel(), device=slots.device) // self.new.shape[1]
+        return self.block_table[b, slots // KV_BLOCK] * KV_BLOCK + slots % KV_BLOCK
+
+    def slot_map(self) -> torch.Tensor:
+        """[B, S]: the physical slot of every logical slot < S (reference path)."""
+        if self._slot_map is None:
+            cols = torch.arange(self.S, device=self.new.device)
+            self._slot_map = self.block_table[:, cols // KV_BLOCK] * KV_BLOCK + cols % KV_BLOCK
+        return self._slot_map
 
     def mask(self, window: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """[T, S] bool (True = may attend), cut to `window` positions back when window > 0 (reference path)."""
+        """[B, T, S] bool (True = may attend), cut to `window` positions back when window > 0 (reference path).
+        q_pos [B * T], k_pos the positions of the pool's physical slots."""
         if window not in self._masks:
-            t, m = self.new.shape
-            dev = self.new.device
-            mask = (torch.arange(self.S, device=dev) < self.n).expand(t, self.S).clone()
-            mask[:, self.n + torch.arange(m, device=dev)] = self.new
+            B, T, m = self.new.shape
+            cols = torch.arange(self.S, device=self.new.device)
+            j = cols - self.n[:, None]  # [B, S]: index among the new slots
+            flag = self.new.gather(2, j.clamp(0, m - 1)[:, None, :].expand(B, T, self.S))
+            mask = (j < 0)[:, None, :] | (flag & ((j >= 0) & (j < m))[:, None, :])
             if window:
-                mask &= (q_pos[:, None] - k_pos[None, : self.S]) < window
+                mask &= (q_pos.reshape(B, T, 1) - k_pos[self.slot_map()][:, None, :]) < window
             self._masks[window] = mask
         return self._masks[window]
 
@@ -98,7 +133,8 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, kv_heads: int, rope: tuple[t
                      positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      qk_norm: tuple[torch.Tensor, torch.Tensor] | None, eps: float) -> torch.Tensor:
     """qkv [T, (H + 2 KV) * D] from the fused projection -> rotated q [T, H, D]; rotated k and v written into the
-    caches [KV, S_max, D] at `slots`. qk_norm: Gemma's per-head (1 + w) RMSNorm of q and k, before the rotation."""
+    cache pools [KV, slots, D] at the physical `slots`. qk_norm: Gemma's per-head (1 + w) RMSNorm of q and k,
+    before the rotation."""
     if fast(qkv, *(qk_norm or ())):
         from .triton_layers import rope_cache_write as kernel
         return kernel(qkv, heads, kv_heads, rope, positions, slots, k_cache, v_cache, qk_norm, eps)
@@ -124,12 +160,17 @@ def act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: Span, q_pos: torch.Tensor,
               k_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """q [T, H, D] over the caches [KV, S_max, D] (GQA: q head h reads kv head h // (H / KV)) as `span` says,
-    keys at most window - 1 positions back when window > 0 -> [T, H, D]."""
+    """q [B * T, H, D] over the cache pools [KV, slots, D] (GQA: q head h reads kv head h // (H / KV)) as `span`
+    says, keys at most window - 1 positions back when window > 0 -> [B * T, H, D]. k_pos: position of every
+    physical slot."""
     if fast(q, k_cache, v_cache):
         from .triton_layers import attention as kernel
         return kernel(q, k_cache, v_cache, span, q_pos, k_pos, window, scale)
-    S = span.S
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k_cache[:, :S], v_cache[:, :S],
-                                       attn_mask=span.mask(window, q_pos, k_pos), scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    B, T = span.new.shape[:2]
+    H, D = q.shape[1:]
+    slots = span.slot_map()  # each request's own keys, gathered out of the pool: [KV, B, S, D] -> [B, KV, S, D]
+    k, v = k_cache[:, slots].transpose(0, 1), v_cache[:, slots].transpose(0, 1)
+    o = F.scaled_dot_product_attention(q.view(B, T, H, D).transpose(1, 2), k, v,
+                                       attn_mask=span.mask(window, q_pos, k_pos)[:, None], scale=scale,
+                                       enable_gqa=True)
+    return o.transpose(1, 2).reshape(B * T, H, D)

@@ -132,46 +132,53 @@ def act_mul(gate_up, gelu):
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, o_ptr, part_o_ptr, part_ml_ptr,
-                 T, H, m, stride_new, stride_qpos, S, split_len, stride_kh, stride_ks, window, scale,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SPLIT: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
-    """One program: BLOCK_M rows (token t, q head kvh*G + g) of one kv head over one split of the key slots.
-    Keys visible to row t: slots < n, and new slot n + j where new[t, j]; within `window` positions if set."""
-    pid_m, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = rows // G
-    head = kvh * G + rows % G
+def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, o_ptr, part_o_ptr, part_ml_ptr,
+                 T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, split_len, n_splits, stride_kh,
+                 stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """One program: BLOCK_M rows (token t, q head kvh*G + g) of request b and one kv head over one split of b's
+    logical key slots. Keys visible to row t: slots < n[b], and new slot n[b] + j where new[b, t, j]; within
+    `window` positions if set. Logical slot s is read at physical slot table[b, s // PAGE] * PAGE + s % PAGE."""
+    pid_m, kvh, pid_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, split = pid_bs // n_splits, pid_bs % n_splits
+    t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t, g = t // G, t % G
+    head = kvh * G + g
     row_ok = t < T
+    r = b * T + t  # the row in the batch
     dims = tl.arange(0, D)
-    q = tl.load(q_ptr + (t * H + head)[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
-    n = tl.load(n_ptr)
+    q = tl.load(q_ptr + (r * H + head)[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    n = tl.load(n_ptr + b)
     t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, T * G - 1) // G
     # a row sees no new slot after its own (column m - T + t): later slots are skipped, not just masked
     end = tl.minimum(n + m - T + t_last + 1, S)
     start = split * split_len
     stop = tl.minimum(start + split_len, end)
     if WINDOW:
-        qpos = tl.load(qpos_ptr + t * stride_qpos, mask=row_ok, other=0)
+        qpos = tl.load(qpos_ptr + r * stride_qpos, mask=row_ok, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     kbase = k_ptr + kvh * stride_kh
     vbase = v_ptr + kvh * stride_kh
+    new_row = new_ptr + b * stride_new_b + t[:, None] * stride_new
     for s0 in range(start, stop, BLOCK_N):
         cols = s0 + tl.arange(0, BLOCK_N)
         col_ok = cols < stop
-        k = tl.load(kbase + cols[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
+        page = tl.load(bt_ptr + b * stride_bt + cols // PAGE, mask=col_ok, other=0)
+        phys = page * PAGE + cols % PAGE
+        k = tl.load(kbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             qk = tl.dot(q, tl.trans(k)) * scale
         j = cols - n
         is_new = (j >= 0) & col_ok
-        flag = tl.load(new_ptr + t[:, None] * stride_new + j[None, :], mask=row_ok[:, None] & is_new[None, :], other=0)
+        flag = tl.load(new_row + j[None, :], mask=row_ok[:, None] & is_new[None, :], other=0)
         vis = ((cols < n)[None, :] | (flag != 0)) & col_ok[None, :] & row_ok[:, None]
         if WINDOW:
-            kpos = tl.load(kpos_ptr + cols, mask=col_ok, other=0)
+            kpos = tl.load(kpos_ptr + phys, mask=col_ok, other=0)
             vis = vis & ((qpos[:, None] - kpos[None, :]) < window)
         qk = tl.where(vis, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -179,16 +186,17 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, o_ptr,
         p = tl.exp(qk - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vbase + cols[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(vbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = (t * H + head)[:, None] * D + dims[None, :]
+    out = (r * H + head)[:, None] * D + dims[None, :]
+    rows_all = tl.num_programs(2) // n_splits * T  # B * T
     if SPLIT:  # unnormalised partials; the combine kernel merges the splits
-        tl.store(part_o_ptr + split * T * H * D + out, acc, mask=row_ok[:, None])
-        ml = (split * T * H + t * H + head) * 2
+        tl.store(part_o_ptr + split * rows_all * H * D + out, acc, mask=row_ok[:, None])
+        ml = (split * rows_all * H + r * H + head) * 2
         tl.store(part_ml_ptr + ml, m_i, mask=row_ok)
         tl.store(part_ml_ptr + ml + 1, l_i, mask=row_ok)
     else:
@@ -210,13 +218,14 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, TH, n_splits, NSPLIT: tl.con
     tl.store(o_ptr + r * D + dims, o.to(o_ptr.dtype.element_ty))
 
 
-def attention_plan(T: int, G: int, KV: int, S: int, D: int, sms: int = 132) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, split_len, n_splits): enough programs to fill the GPU when the rows are few (decode,
-    draft steps), one split when the rows alone fill it (prefill). Static in (T, S): capturable."""
+def attention_plan(T: int, G: int, KV: int, S: int, D: int, sms: int = 132, B: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, split_len, n_splits) for B requests of T rows: enough programs to fill the GPU when the
+    rows are few (decode, draft steps), one split when the rows alone fill it (prefill, big batches). Static in
+    (B, T, S): capturable."""
     rows = T * G
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = 64 if D <= 128 else 32
-    programs = triton.cdiv(rows, block_m) * KV
+    programs = triton.cdiv(rows, block_m) * KV * B
     want = max(1, min(triton.cdiv(S, block_n), sms // programs))
     split_len = triton.cdiv(triton.cdiv(S, want), block_n) * block_n
     return block_m, block_n, split_len, triton.cdiv(S, split_len)
@@ -225,26 +234,30 @@ def attention_plan(T: int, G: int, KV: int, S: int, D: int, sms: int = 132) -> t
 def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
     import torch
 
-    T, H, D = q.shape
+    from .layers import KV_BLOCK
+
+    R, H, D = q.shape
     KV = k_cache.shape[0]
     G = H // KV
-    new = span.new
-    m = new.shape[1]
-    assert q.is_contiguous() and new.stride(1) == 1 and k_cache.stride(-1) == 1 and k_pos.stride(0) == 1
-    block_m, block_n, split_len, n_splits = attention_plan(T, G, KV, span.S, D)
+    new, table = span.new, span.block_table
+    B, T, m = new.shape
+    assert R == B * T and q.is_contiguous() and new.stride(2) == 1 and k_cache.stride(-1) == 1
+    assert k_pos.stride(0) == 1 and table.stride(1) == 1 and span.n.stride(0) == 1
+    block_m, block_n, split_len, n_splits = attention_plan(T, G, KV, span.S, D, B=B)
     o = torch.empty_like(q)
     split = n_splits > 1
     if split:
-        part_o = torch.empty(n_splits, T, H, D, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(n_splits, T, H, 2, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(n_splits, R, H, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(n_splits, R, H, 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = o
-    grid = (triton.cdiv(T * G, block_m), KV, n_splits)
-    _attn_kernel[grid](q, k_cache, v_cache, new.view(torch.uint8), q_pos, k_pos, span.n, o, part_o, part_ml,
-                       T, H, m, new.stride(0), q_pos.stride(0), span.S, split_len, k_cache.stride(0), k_cache.stride(1), window, scale,
-                       G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, WINDOW=window > 0,
+    grid = (triton.cdiv(T * G, block_m), KV, B * n_splits)
+    _attn_kernel[grid](q, k_cache, v_cache, new.view(torch.uint8), q_pos, k_pos, span.n, table, o, part_o, part_ml,
+                       T, H, m, new.stride(0), new.stride(1), q_pos.stride(0), table.stride(0), span.S, split_len,
+                       n_splits, k_cache.stride(0), k_cache.stride(1), window, scale,
+                       G=G, D=D, PAGE=KV_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, WINDOW=window > 0,
                        IEEE=q.dtype == torch.float32, num_warps=4)
     if split:
-        _combine_kernel[(T * H,)](part_o, part_ml, o, T * H, n_splits, NSPLIT=triton.next_power_of_2(n_splits), D=D,
+        _combine_kernel[(R * H,)](part_o, part_ml, o, R * H, n_splits, NSPLIT=triton.next_power_of_2(n_splits), D=D,
                                   num_warps=1)
     return o

@@ -50,6 +50,10 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, ablation)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together by the batched "
+                   "engine (a list of prompts, serving); the others wait for a place")
+    p.add_argument("--kv-memory", type=float, help="the batched engine's KV-cache pool: a fraction of free GPU "
+                   "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, one GPU each: run under "
                    "`mpirun -n TP` (heads, MLP and vocabulary split across them)")
     p.add_argument("--tp-timeout", type=float, default=300, help="seconds a rank waits for the others in a "
@@ -80,7 +84,7 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
     return LLM(a.engine, method=method or a.method, draft=a.draft, device=a.device, w_max=a.w_max,
                k_pre=a.k_pre, k_ver=a.k_ver, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
                total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
-               tp=a.tp, tp_timeout=a.tp_timeout)
+               tp=a.tp, tp_timeout=a.tp_timeout, max_batch=a.max_batch, kv_memory=a.kv_memory)
 
 
 def cmd_models(a) -> None:
@@ -118,6 +122,20 @@ def cmd_build_draft(a) -> None:
     print(build_draft(a.checkpoint, resolve_engine(a.engine), a.out))
 
 
+def read_prompts(path: str) -> list[str]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UserError(f"cannot read the prompts file {path}: {e.strerror}") from None
+    try:
+        prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln]
+    except ValueError as e:
+        raise UserError(f"{path} is not a JSON list of prompts: {e}") from None
+    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise UserError(f"{path} holds no prompts (one per line, or a JSON list of strings)")
+    return prompts
+
+
 def cmd_generate(a) -> None:
     from . import parallel
 
@@ -125,6 +143,11 @@ def cmd_generate(a) -> None:
     llm = llm_from_args(a)
     if parallel.rank() > 0:  # the other ranks run the same steps and print nothing
         llm.generate(a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
+        return
+    if a.prompts_file:  # one batch: every prompt decoded together, one JSON line or text block per prompt
+        for r in llm.generate(read_prompts(a.prompts_file), a.max_new_tokens, chat=a.chat, **sampling):
+            print(json.dumps(r.to_dict()) if a.json else f"{r.text}\n[{r.num_new_tokens} tokens, "
+                  f"{r.stats['wall_s']:.2f} s]\n")
         return
     if a.json:
         print(json.dumps(llm.generate(a.prompt, a.max_new_tokens, chat=a.chat, **sampling).to_dict()))
@@ -200,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generation (AR or speculative), greedy or sampled")
     add_llm_args(g)
     add_sampling_args(g)
-    g.add_argument("--prompt", required=True)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompts-file", help="a file of prompts, one per line (or a JSON list of strings): decoded "
+                     "together as one batch")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (fewer when the model "
                    "ends its answer)")

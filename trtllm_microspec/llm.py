@@ -26,6 +26,7 @@ from .spec.sampling import SamplingParams
 from .spec.tree import TreeConfig
 from .vocab.strategies import METHODS, make_vocab
 
+BATCHED = ("ar",)  # methods the batched engine runs
 DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
 FREQ_FILE = "token_freq.safetensors"  # FR-Spec's ranked token ids, stored with the engine
 
@@ -88,7 +89,8 @@ class LLM:
                  device: str | None = None, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3,
                  static_k: int = 32768, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
                  max_seq_len: int | None = None, cuda_graphs: bool = True, dtype: str | None = None,
-                 tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S):
+                 tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S, max_batch: int = 16,
+                 kv_memory: float | None = None):
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
@@ -121,6 +123,11 @@ class LLM:
             raise UserError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt: each step reserves "
                             f"{self.executor.reserve} cache slots (raise max_seq_len or shrink the tree)")
         self._lock = threading.Lock()  # one request at a time: the KV caches and the window are static
+        if max_batch < 1:
+            raise UserError(f"max_batch must be at least 1, got {max_batch}")
+        self.max_batch, self.kv_memory = max_batch, kv_memory
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._scheduler = None  # the batched engine and its KV pool, made on first use
 
     def _ranked_ids(self) -> torch.Tensor | None:
         f = self.engine_dir / FREQ_FILE
@@ -171,7 +178,43 @@ class LLM:
         return Result(text=text, token_ids=out, num_new_tokens=len(out),
                       stats={"method": self.method, **stats.summary()})
 
-    def generate(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False, **sampling) -> Result:
+    def scheduler(self):
+        """The batched engine (in-flight batching over a paged KV pool), made on first use."""
+        if self._scheduler is None:
+            if self.method not in BATCHED:
+                raise UserError(f"method {self.method} runs one request at a time; batched: {', '.join(BATCHED)}")
+            if parallel.world() > 1:
+                raise UserError("the batched engine runs on one device; with --tp give one prompt at a time")
+            from .engine.runner import BatchRunner
+            from .engine.scheduler import Scheduler
+            runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs)
+            self._scheduler = Scheduler(runner, self.max_batch)
+        return self._scheduler
+
+    def result(self, req) -> Result:
+        """A finished request of the batched engine as a Result."""
+        if req.error:
+            raise RuntimeError(f"generation failed: {req.error}")
+        return Result(text=self.tokenizer.decode(req.out), token_ids=list(req.out), num_new_tokens=len(req.out),
+                      stats={"method": self.method, **req.stats.summary(),
+                             "ttft_s": req.t_first - req.t_submit if req.t_first else None})
+
+    def generate(self, prompt: str | list[dict] | list[str | list[dict]], max_new_tokens: int | list[int] = 256,
+                 chat: bool = False, **sampling) -> Result | list[Result]:
+        """One prompt -> its Result; a list of prompts -> their Results, decoded together as one batch
+        (in-flight batching: at most max_batch at once, the rest join as others finish)."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
+            budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt)
+            if len(budgets) != len(prompt):
+                raise UserError(f"{len(prompt)} prompts but {len(budgets)} max_new_tokens")
+            if SamplingParams(**sampling).temperature > 0:
+                raise UserError("a list of prompts is decoded greedily (the batched engine does not sample yet); "
+                                "give one prompt at a time to sample")
+            sched = self.scheduler()
+            with self._lock:
+                reqs = [sched.add(self.prompt_ids(p, chat), m) for p, m in zip(prompt, budgets)]
+                sched.run(reqs)
+            return [self.result(r) for r in reqs]
         gen = self.stream_tokens(prompt, max_new_tokens, chat, incremental=False, **sampling)
         while True:
             try:

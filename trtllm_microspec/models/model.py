@@ -1,10 +1,12 @@
-"""Decoder-only transformer for the Llama, Qwen2 and Gemma3 families, with a static KV cache.
+"""Decoder-only transformer for the Llama, Qwen2 and Gemma3 families, with a (paged) KV cache.
 
-One forward serves prefill, single-token decode and tree verification: it takes T new tokens, their
-positions, the cache slots they are written to, and a `Span`: the committed slots every row sees plus a boolean
-mask over the new slots (an ancestor mask for tree verification, a causal one for decode and prefill). The
-layer's pieces (add + RMSNorm, rotary + cache write, gated activation, attention) are plugins/layers.py: plain
-torch on the CPU and under autograd, Triton kernels on CUDA; q|k|v and gate|up are one GEMM each.
+One forward serves prefill, single-token decode and tree verification, for one request or a batch of B
+requests with T rows each: it takes the new tokens, their positions, the cache slots they are written to, and
+a `Span`: per request the committed slots every row sees, a boolean mask over the new slots (an ancestor mask
+for tree verification, a causal one for decode and prefill), and the block table that places the request's
+slots in the shared pool. The layer's pieces (add + RMSNorm, rotary + cache write, gated activation,
+attention) are plugins/layers.py: plain torch on the CPU and under autograd, Triton kernels on CUDA; q|k|v and
+gate|up are one GEMM each.
 Weight names follow the Hugging Face layout without the `model.` prefix, so engines and official EAGLE
 checkpoints load with plain `load_state_dict`.
 """
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins import layers
-from plugins.layers import Span
+from plugins.layers import KV_BLOCK, Span
 
 from .. import parallel
 
@@ -192,19 +194,22 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Static cache for one sequence: [layers, kv_heads, max_seq, head_dim] plus the position of each slot."""
+    """A pool of cache slots [layers, kv_heads, slots, head_dim] plus the position held by each slot (for sliding
+    windows). One sequence (slots = max_seq_len, its logical slots are physical) or, paged, the blocks of every
+    running request (engine/block_manager.py hands them out; a Span's block table maps a request's slots)."""
 
-    def __init__(self, cfg: ModelConfig, num_layers: int, dtype, device):
-        shape = (num_layers, cfg.num_kv_heads, cfg.max_seq_len, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, num_layers: int, dtype, device, slots: int | None = None):
+        slots = slots or -(-cfg.max_seq_len // KV_BLOCK) * KV_BLOCK  # whole blocks: the identity table's reach
+        shape = (num_layers, cfg.num_kv_heads, slots, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.pos = torch.zeros(cfg.max_seq_len, dtype=torch.long, device=device)  # for sliding windows
+        self.pos = torch.zeros(slots, dtype=torch.long, device=device)
 
     def write_pos(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.pos.index_copy_(0, slots, positions)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slots src -> dst (both [n]); used to compact the accepted path of a verified tree."""
+        """Copy physical slots src -> dst (both [n]); used to compact the accepted path of a verified tree."""
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
         self.pos[dst] = self.pos[src]
@@ -251,9 +256,11 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
 
-    def forward(self, tokens, positions, slots, span: Span) -> torch.Tensor:
-        """tokens/positions/slots [T] long, attending as `span` says -> final-normed hidden states [T, d]."""
-        c, cache = self.cfg, self.cache
+    def forward(self, tokens, positions, slots, span: Span, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens/positions/slots [B * T] long (slots: each request's own, logical), attending as `span` says ->
+        final-normed hidden states [B * T, d]. `cache`: a paged pool instead of the single-sequence cache."""
+        c, cache = self.cfg, cache or self.cache
+        slots = span.physical(slots)
         cache.write_pos(slots, positions)
         res, delta, delta_norm = self.embed(tokens), None, None
         for i, layer in enumerate(self.layers):
@@ -274,4 +281,4 @@ class Transformer(nn.Module):
 
     def topk(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """The ids of each row's k largest logits [T, k], largest first."""
-        return logits.topk(k, -1).indices if parallel.world() == 1 else parallel.topk(logits, k, self.vocab_start)[1]
+        return logits.topk(k, -1).indices if parallel.world() == 1 else parallel.topk(logits, k, self.vocab_start)

@@ -34,6 +34,7 @@ class EagleDraft(nn.Module):
     def hidden(self, tokens, features, positions, slots, span: Span, cache: KVCache | None = None) -> torch.Tensor:
         """tokens [T] (token t+1), features [T, d] (target/draft feature at t) -> draft hidden [T, d]."""
         cache = cache or self.cache
+        slots = span.physical(slots)
         cache.write_pos(slots, positions)
         x = self.fc(torch.cat([self.target[0].embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
         attn_args = (self.rope, positions, slots, span, cache.pos, 0, cache.k[0], cache.v[0])

@@ -1,0 +1,129 @@
+"""In-flight batching (engine/scheduler.py, runner.py, block_manager.py) on the CPU in fp32: every request of a
+mixed batch gets exactly the tokens it gets alone, and the pool gets every block back whatever happens."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trtllm_microspec import LLM
+from trtllm_microspec.engine.block_manager import GIB
+from trtllm_microspec.models.registry import UserError
+
+# (prompt, chat, max_new_tokens): different lengths and budgets; the first stops at EOS after 8 tokens
+CASES = [
+    ("What is the capital of France?", True, 16),
+    ("def fibonacci(n):", False, 12),
+    ("Hi", True, 8),
+    ("The sea is blue and wide, and the ships sail on it to the far away lands where", False, 10),
+]
+
+
+@pytest.fixture(scope="module")
+def ar(engine_dir):
+    return LLM(engine_dir, "ar", device="cpu", max_batch=3)
+
+
+@pytest.fixture(scope="module")
+def alone(ar):
+    out = [ar.generate(p, m, chat=c).token_ids for p, c, m in CASES]
+    assert len(out[0]) < CASES[0][2] and out[0][-1] in ar.target.cfg.eos_ids  # the early-EOS case
+    return out
+
+
+def test_ar_batch_equals_alone(ar, alone):
+    """4 requests over 3 batch slots, one cancelled after 3 tokens: the last joins the running batch then."""
+    sched = ar.scheduler()
+    reqs = [sched.add(ar.prompt_ids(p, c), m) for p, c, m in CASES]
+    cancel = reqs[1]
+    sched.step()
+    assert reqs[3] in sched.waiting  # joins once the cancelled one has left
+    while not all(r.done for r in reqs):
+        for req, toks in sched.step():
+            assert req.out[-len(toks):] == toks
+        if len(cancel.out) >= 3 and not cancel.done:
+            sched.cancel(cancel)
+        assert len(sched.running) <= 3
+    for i, r in enumerate(reqs):
+        if r is cancel:
+            assert r.stats.stop_reason == "cancelled" and 3 <= len(r.out) < len(alone[i])
+            assert r.out == alone[i][:len(r.out)]
+        else:
+            assert r.out == alone[i], f"request {i} differs from its run alone"
+            assert r.stats.new_tokens == len(r.out) and r.stats.prompt_tokens == len(r.prompt)
+    assert reqs[0].stats.stop_reason == "eos" and reqs[2].stats.stop_reason == "max_tokens"
+    sched.step()  # the boundary after the last step
+    assert sched.idle and sched.blocks.used == 0 and len(sched.runner.free_slots) == 3
+
+
+def test_generate_list(ar, alone):
+    results = ar.generate([p for p, _, _ in CASES[1:3]], [m for _, _, m in CASES[1:3]], chat=False)
+    assert results[0].token_ids == alone[1]
+    assert results[0].text == ar.tokenizer.decode(alone[1])
+    assert results[1].stats["method"] == "ar" and results[1].stats["ttft_s"] > 0
+    assert ar.scheduler().blocks.used == 0
+
+
+def test_waits_for_blocks(engine_dir, ar, alone):
+    """A pool of 3 blocks (2 usable, 64 slots): two 2-block requests cannot run together; the second waits in
+    the queue and is served once the first frees its blocks."""
+    c = ar.target.cfg
+    per_block = 2 * c.num_layers * c.num_kv_heads * 32 * c.head_dim * 4 + 8 * 32
+    llm = LLM(engine_dir, "ar", device="cpu", max_batch=4, kv_memory=3 * per_block / GIB)
+    sched = llm.scheduler()
+    assert sched.blocks.num_blocks == 3
+    long_prompt = CASES[3][0]
+    ids = llm.prompt_ids(long_prompt)
+    budget = 64 - len(ids) - 1  # exactly two blocks
+    a, b = sched.add(ids, budget), sched.add(ids, CASES[3][2])
+    waited = False
+    while not b.done:
+        sched.step()
+        waited |= a.slot >= 0 and b in sched.waiting
+    assert waited and a.done
+    assert b.out == alone[3] and a.out[:len(alone[3])] == alone[3]
+    sched.step()
+    assert sched.blocks.used == 0
+    with pytest.raises(UserError, match="needs .* cache slots; this engine holds at most 64"):
+        sched.add(ids, budget + 1)
+
+
+def test_error_and_refusals_return_blocks(ar, monkeypatch):
+    sched = ar.scheduler()
+    ok, bad = sched.add([1, 2, 3], 4), sched.add([4, 5, 6], 4)
+    real = sched.runner.prefill
+
+    def prefill(req, chunk):
+        if req is bad:
+            raise RuntimeError("boom")
+        return real(req, chunk)
+
+    monkeypatch.setattr(sched.runner, "prefill", prefill)
+    sched.run([ok, bad])
+    assert bad.stats.stop_reason == "error" and "boom" in bad.error and len(ok.out) == 4
+    with pytest.raises(RuntimeError, match="generation failed: RuntimeError: boom"):
+        ar.result(bad)
+    sched.step()
+    assert sched.blocks.used == 0 and len(sched.runner.free_slots) == 3
+    with pytest.raises(UserError, match="the prompt is empty"):
+        sched.add([], 4)
+    with pytest.raises(UserError, match="needs .* cache slots"):
+        sched.add([1, 2, 3], ar.max_seq_len)
+    with pytest.raises(UserError, match="runs one request at a time"):
+        LLM(ar.engine_dir, "naive", device="cpu").scheduler()
+
+
+def test_cli_prompts_file(engine_dir, alone, tmp_path, capsys):
+    from trtllm_microspec.cli import main
+
+    f = tmp_path / "prompts.txt"
+    f.write_text(f"{CASES[1][0]}\n\n{CASES[3][0]}\n")
+    main(["generate", "--engine", str(engine_dir), "--device", "cpu", "--prompts-file", str(f), "--max-new-tokens",
+          "10", "--max-batch", "2", "--json"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in lines] == [alone[1][:10], alone[3]]
+    f.write_text("[1, 2]")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--engine", str(engine_dir), "--device", "cpu", "--prompts-file", str(f)])
+    assert e.value.code == 2
+    assert "holds no prompts" in capsys.readouterr().err

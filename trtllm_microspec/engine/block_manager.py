@@ -1,0 +1,72 @@
+"""Fixed-size KV-cache blocks out of one pool, handed to requests and taken back.
+
+The pool is sized by a memory budget (`--kv-memory`): a fraction of the GPU's free memory when <= 1, else GiB
+(on the CPU always GiB). A request gets, when it joins the batch, every block it can ever use (prompt +
+max_tokens + the slots a round writes past its committed length), so a running request never waits for a block
+and nothing needs preempting; one that does not fit now waits in the queue, one that can never fit is refused.
+Block 0 is kept out of the free list: padding rows of a batch bucket write there.
+"""
+from __future__ import annotations
+
+import torch
+
+from plugins.layers import KV_BLOCK
+
+from ..models.registry import UserError
+
+GIB = 1 << 30
+
+
+def pool_blocks(kv_memory: float, bytes_per_block: int, device: torch.device) -> int:
+    """How many blocks the budget holds."""
+    if kv_memory <= 0:
+        raise UserError(f"kv_memory must be positive (a fraction of free GPU memory, or GiB), got {kv_memory}")
+    if device.type == "cuda" and kv_memory <= 1:
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * kv_memory
+    else:
+        budget = kv_memory * GIB
+    return int(budget // bytes_per_block)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, max_blocks_per_request: int):
+        if num_blocks < 2:
+            raise UserError(f"the KV-cache budget holds {num_blocks} blocks of {KV_BLOCK} slots; raise --kv-memory")
+        self.num_blocks, self.max_blocks = num_blocks, max_blocks_per_request
+        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # popped from the end: low ids first
+        self.owned: dict[int, list[int]] = {}  # request id -> its blocks
+
+    @staticmethod
+    def blocks_for(slots: int) -> int:
+        return -(-slots // KV_BLOCK)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks one request may hold: the pool (less the padding block) or the engine's sequence limit."""
+        return min(self.num_blocks - 1, self.max_blocks)
+
+    def check(self, slots: int, what: str) -> None:
+        """Refuse a request that could never run, whatever else is running."""
+        need = self.blocks_for(slots)
+        if need > self.capacity:
+            limit = self.capacity * KV_BLOCK
+            raise UserError(f"{what} needs {slots} cache slots; this engine holds at most {limit} per request "
+                            f"(max_seq_len and --kv-memory)")
+
+    def can_allocate(self, slots: int) -> bool:
+        return self.blocks_for(slots) <= len(self.free)
+
+    def allocate(self, rid: int, slots: int) -> list[int]:
+        need = self.blocks_for(slots)
+        assert rid not in self.owned and need <= len(self.free)
+        self.owned[rid] = [self.free.pop() for _ in range(need)]
+        return self.owned[rid]
+
+    def release(self, rid: int) -> None:
+        """Give a request's blocks back (idempotent: finish, cancel and error paths may all call it)."""
+        self.free += reversed(self.owned.pop(rid, []))
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - 1 - len(self.free)

@@ -1,0 +1,145 @@
+"""In-flight batching: requests join and leave a running batch at step boundaries.
+
+`Scheduler.step()` is one boundary plus one step: finished and cancelled requests leave (their blocks go back
+at once), waiting requests join in order while the batch has room and the pool has their blocks (the first
+that does not fit holds the rest back, so a long request is not starved by short ones), prefill advances by
+at most `prefill_budget` prompt tokens (chunked: a long prompt does not stall the running batch for more than
+one chunk per step), and every request whose prompt is in the cache decodes one step together (one target
+pass for the batch). Greedy only; each request's tokens are those it gets alone.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..models.registry import UserError
+from .block_manager import BlockManager
+from .stats import Stats
+
+PREFILL_BUDGET = 512  # prompt tokens prefilled per step, over all joining requests
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    rid: int = field(default_factory=itertools.count().__next__)
+    out: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the cache
+    n: int = 0  # committed cache slots (prompt + emitted tokens already fed back)
+    last: int = -1  # the last emitted token, not yet in the cache
+    slot: int = -1  # the runner's batch slot (per-request device state), -1 while not running
+    done: bool = False
+    cancelled: bool = False
+    error: str = ""
+    stats: Stats = field(default_factory=Stats)
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+
+class Scheduler:
+    def __init__(self, runner, max_batch: int, prefill_budget: int = PREFILL_BUDGET):
+        if max_batch < 1:
+            raise UserError(f"max_batch must be at least 1, got {max_batch}")
+        self.runner, self.max_batch, self.prefill_budget = runner, max_batch, prefill_budget
+        self.blocks: BlockManager = runner.blocks
+        self.stop_ids = set(runner.stop_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = threading.Lock()  # add / cancel may come from other threads (serving)
+
+    def add(self, prompt: list[int], max_new_tokens: int) -> Request:
+        """Queue a request; a UserError now if it could never run."""
+        self.runner.check(prompt, max_new_tokens)
+        self.blocks.check(self.runner.slots_for(prompt, max_new_tokens), "this request")
+        req = Request(prompt=list(prompt), max_new_tokens=max_new_tokens)
+        req.stats.prompt_tokens = len(prompt)
+        with self.lock:
+            self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """The request leaves at the next step boundary; its blocks go back then."""
+        req.cancelled = True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.done = True
+        req.stats.stop_reason = reason
+        req.stats.wall_s = time.perf_counter() - req.t_submit
+        self.blocks.release(req.rid)
+        self.runner.leave(req)
+
+    def _boundary(self) -> None:
+        for req in [r for r in self.running if r.cancelled or r.done]:
+            self.running.remove(req)
+            if not req.done:
+                self._finish(req, "cancelled")
+        with self.lock:
+            for req in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(req)
+                req.done, req.stats.stop_reason = True, "cancelled"
+            while self.waiting and len(self.running) < self.max_batch:
+                req = self.waiting[0]
+                slots = self.runner.slots_for(req.prompt, req.max_new_tokens)
+                if not self.blocks.can_allocate(slots):
+                    break  # waits for blocks that running requests will free
+                self.waiting.popleft()
+                self.runner.join(req, self.blocks.allocate(req.rid, slots))
+                self.running.append(req)
+
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """One boundary and one step. Returns each request's newly emitted tokens (a finished request's last
+        ones included; `req.done` says it ended)."""
+        self._boundary()
+        emitted: list[tuple[Request, list[int]]] = []
+        budget = self.prefill_budget
+        for req in [r for r in self.running if r.prefilling]:
+            if budget <= 0:
+                break
+            chunk = min(budget, len(req.prompt) - req.prefilled)
+            budget -= chunk
+            try:
+                first = self.runner.prefill(req, chunk)
+            except Exception as e:  # this request fails, the batch goes on
+                self._fail(req, e)
+                continue
+            if first is not None:
+                req.t_first = time.perf_counter()
+                emitted.append((req, self._emit(req, first)))
+        just = {r.rid for r, _ in emitted}  # their first token came from the prefill: they decode next step
+        ready = [r for r in self.running if r.out and not r.done and r.rid not in just]
+        if ready:
+            for req, toks in zip(ready, self.runner.decode(ready)):
+                emitted.append((req, self._emit(req, toks)))
+        return emitted
+
+    def _fail(self, req: Request, e: Exception) -> None:
+        req.error = f"{type(e).__name__}: {e}"
+        self._finish(req, "error")
+
+    def _emit(self, req: Request, toks: list[int]) -> list[int]:
+        """Cut at EOS or the budget, as the single-request executor does."""
+        room = req.max_new_tokens - len(req.out)
+        stop = next((i for i, t in enumerate(toks[:room]) if t in self.stop_ids), None)
+        toks = toks[: stop + 1] if stop is not None else toks[:room]
+        req.out += toks
+        req.stats.new_tokens = len(req.out)
+        if stop is not None or len(req.out) >= req.max_new_tokens:
+            self._finish(req, "eos" if stop is not None else "max_tokens")
+        return toks
+
+    def run(self, requests: list[Request]) -> None:
+        """Step until every given request is done."""
+        while not all(r.done for r in requests):
+            self.step()
