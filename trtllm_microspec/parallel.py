@@ -87,15 +87,14 @@ def _gather(x: torch.Tensor) -> torch.Tensor:
     return out.view(_world, *x.shape)
 
 
-def topk(logits: torch.Tensor, k: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-k (values, global ids) [T, k] of logits split by vocabulary: each rank's local top-k, gathered
-    ([world, T, k], never the [T, V] logits), then the top-k of those."""
+def topk(logits: torch.Tensor, k: int, start: int) -> torch.Tensor:
+    """The global ids [T, k] of the k largest of logits split by vocabulary, largest first: each rank's local
+    top-k (value, id) pairs, gathered ([world, T, k], never the [T, V] logits), then the top-k of those."""
     v, i = logits.topk(k, -1)
     v, i = _gather(v), _gather(i + start)
     T = logits.shape[0]
-    v, i = v.permute(1, 0, 2).reshape(T, -1), i.permute(1, 0, 2).reshape(T, -1)  # rank-major: low ids first
-    best = v.topk(k, -1).indices
-    return v.gather(-1, best), i.gather(-1, best)
+    v, i = v.permute(1, 0, 2).reshape(T, -1), i.permute(1, 0, 2).reshape(T, -1)
+    return i.gather(-1, v.topk(k, -1).indices)
 
 
 def argmax(logits: torch.Tensor, start: int) -> torch.Tensor:
