@@ -89,7 +89,7 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """One request's sampling state, in persistent device tensors that captured CUDA graphs read: the knobs, and `u`,
     one uniform per tree level for the next step, drawn from the request's generator before each step outside the
-    graphs (a kernel launch, no host sync). Greedy requests never touch it: their path is the argmax, as before."""
+    graphs (a kernel launch, no host sync). Greedy requests draw nothing: they take the target's argmax, as before."""
 
     def __init__(self, argmax, device: torch.device, levels: int):
         self.argmax = argmax  # the target's (vocabulary-split under tensor parallelism)
