@@ -17,6 +17,7 @@ LIMIT=${LIMIT:-3}            # questions per Spec-Bench category
 TOKENS=${TOKENS:-256}        # new tokens per turn
 TRAIN_LIMIT=${TRAIN_LIMIT:-450}   # the held-out evaluation and --eval run after it: ~10 minutes in all
 TRAIN_ARGS=${TRAIN_ARGS:---eval}
+METHODS=${METHODS:-ar,eagle,frspec,microspec}   # frspec needs `microspec build-freq --engine KEY` first
 REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
 mkdir -p "$OUT"
 ms() { python3 -m trtllm_microspec.cli "$@"; }
@@ -46,10 +47,10 @@ EOF
       ms train-draft --engine "$KEY" --out "$HEAD" --time-limit "$TRAIN_LIMIT" --save-every 0 $TRAIN_ARGS \
         2>&1 | tr '\r' '\n' | grep "\[train-draft\]\|^{\|rror" | tee "$OUT/train_$KEY.log" ;;
     bench)
-      ms bench --engine "$KEY" --draft "$HEAD" --methods "ar,eagle,frspec,microspec,$REFS" --limit "$LIMIT" \
+      ms bench --engine "$KEY" --draft "$HEAD" --methods "$METHODS,$REFS" --limit "$LIMIT" \
         --max-new-tokens "$TOKENS" --warmup 2 --out "$OUT/bench_$KEY" | grep "tok/s" ;;
     sampling)
-      ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,microspec --temperature 0.7 --limit "$LIMIT" \
+      ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,microspec --temperature 0.7 --seed 0 --limit "$LIMIT" \
         --max-new-tokens "$TOKENS" --warmup 2 --out "$OUT/bench_${KEY}_t0.7" | grep "tok/s" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
