@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from trtllm_microspec import LLM
 from trtllm_microspec.engine.block_manager import GIB
@@ -127,3 +128,43 @@ def test_cli_prompts_file(engine_dir, alone, tmp_path, capsys):
         main(["generate", "--engine", str(engine_dir), "--device", "cpu", "--prompts-file", str(f)])
     assert e.value.code == 2
     assert "holds no prompts" in capsys.readouterr().err
+
+
+SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
+
+
+@pytest.mark.parametrize("method", ["eagle", "microspec"])
+def test_spec_batch_equals_alone(method, engine_dir, random_draft_dir, alone):
+    """Speculative rounds for 3 requests at once over 2 batch slots (one cancelled after its first round):
+    each request's tokens are AR's; each MicroSpec window ends exactly as the same request's window alone (so
+    no token of another request ever entered it)."""
+    llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    cases = [CASES[1], CASES[0], CASES[2]]
+    want = [alone[1], alone[0], alone[2]]
+    windows = []
+    for p, c, m in cases[:2]:
+        assert llm.generate(p, m, chat=c).token_ids == want[len(windows)]
+        v = llm.executor.vocab
+        windows.append((v.ring.clone(), v.id_of.clone()) if method == "microspec" else None)
+    sched = llm.scheduler()
+    reqs = [sched.add(llm.prompt_ids(p, c), m) for p, c, m in cases]
+    cancel = reqs[2]
+    slot_of, final = {}, {}
+    while not all(r.done for r in reqs):
+        slot_of.update({r.rid: r.slot for r in reqs if r.slot >= 0})
+        sched.step()
+        for r in reqs[:2]:  # a request's window as it leaves (a later request resets its slot's window)
+            if r.done and r.rid not in final and method == "microspec":
+                v = sched.runner.vocabs[slot_of[r.rid]]
+                final[r.rid] = (v.ring.clone(), v.id_of.clone())
+        if cancel.out and not cancel.done:
+            sched.cancel(cancel)
+    for r, w in zip(reqs[:2], want):
+        assert r.out == w
+        assert r.stats.rounds > 0 and r.stats.vocab_max > 0
+    assert cancel.stats.stop_reason == "cancelled" and cancel.out == want[2][:len(cancel.out)]
+    if method == "microspec":
+        for r, (ring, id_of) in zip(reqs[:2], windows):
+            assert torch.equal(final[r.rid][0], ring) and torch.equal(final[r.rid][1], id_of)
+    sched.step()
+    assert sched.blocks.used == 0

@@ -26,7 +26,7 @@ from .spec.sampling import SamplingParams
 from .spec.tree import TreeConfig
 from .vocab.strategies import METHODS, make_vocab
 
-BATCHED = ("ar",)  # methods the batched engine runs
+BATCHED = ("ar", "eagle", "frspec", "microspec")  # methods the batched engine runs
 DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
 FREQ_FILE = "token_freq.safetensors"  # FR-Spec's ranked token ids, stored with the engine
 
@@ -116,6 +116,9 @@ class LLM:
             head = self.target.head_weight if parallel.world() == 1 else self.target.full_head
             vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max,
                                ranked_ids=self._ranked_ids() if method == "frspec" else None, static_k=static_k)
+            # the batched engine gives each request its own window; full and static vocabularies are shared
+            self._batch_vocab = vocab if method in ("eagle", "frspec") else \
+                (lambda: make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max))
         tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
         self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,
                                  cuda_graphs=cuda_graphs and self.device.type == "cuda")
@@ -185,9 +188,14 @@ class LLM:
                 raise UserError(f"method {self.method} runs one request at a time; batched: {', '.join(BATCHED)}")
             if parallel.world() > 1:
                 raise UserError("the batched engine runs on one device; with --tp give one prompt at a time")
-            from .engine.runner import BatchRunner
+            from .engine.runner import BatchRunner, SpecRunner
             from .engine.scheduler import Scheduler
-            runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs)
+            if self.method == "ar":
+                runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs)
+            else:
+                e = self.executor
+                runner = SpecRunner(self.target, e.draft, self._batch_vocab, e.tree, e.k_pre, e.k_ver,
+                                    self.max_batch, self.kv_memory)
             self._scheduler = Scheduler(runner, self.max_batch)
         return self._scheduler
 

@@ -15,8 +15,10 @@ from plugins.layers import KV_BLOCK
 
 from ..models.model import KVCache, Span, Transformer
 from ..models.registry import UserError
-from ..spec.tree import causal
+from ..spec.batch_tree import accept, draft_trees, physical, verify
+from ..spec.tree import TreeConfig, causal
 from .block_manager import BlockManager, pool_blocks
+from .executor import PREFILL_CHUNK
 from .graphs import GraphRunner, bucket_for
 
 DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / GiB on the CPU
@@ -30,14 +32,17 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 
 class BatchRunner:
+    chunked = True  # prefill may come in chunks
+
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1):
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
         self.target, self.max_batch, self.device = target, max_batch, dev
         self.stop_ids = list(c.eos_ids)
-        self.reserve = 1  # slots a step writes past the committed length
+        self.reserve = reserve  # slots a step writes past the committed length
         kv_memory = kv_memory or DEFAULT_KV_MEMORY[dev.type]
-        per_block = 2 * c.num_layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 8 * KV_BLOCK
+        layers = c.num_layers + extra_layers  # the draft's pool shares the block ids (one table for both)
+        per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
         width = -(-c.max_seq_len // KV_BLOCK)  # table columns: S buckets reach up to max_seq_len
         self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), c.max_seq_len // KV_BLOCK)
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
@@ -111,3 +116,97 @@ class BatchRunner:
         span = Span(n, self.one.expand(Bb, 1, 1), S, self.table.index_select(0, slot))
         h = self.target(tok, n, n, span, cache=self.cache)
         self.next[:Bb].copy_(self.target.logits(h).argmax(-1))
+
+
+class SpecRunner(BatchRunner):
+    """Batched EAGLE-2 rounds (eagle, frspec, microspec): every request drafts its own tree through its own
+    draft vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. A
+    MicroSpec window (ring, counts, active ids, packed head rows) per batch slot, reset when a request joins.
+    First version: the rounds run eagerly (no CUDA graphs: the window objects differ per slot), the draft head
+    and the window update are called per request in a loop, and a prompt is prefilled in one piece (the draft's
+    prefill needs the token after each position)."""
+
+    chunked = False
+
+    def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
+                 max_batch: int, kv_memory: float | None = None):
+        reserve = max(tree.total_tokens, tree.max_path + tree.draft_slots)
+        super().__init__(target, max_batch, kv_memory, cuda_graphs=False, extra_layers=1, reserve=reserve)
+        self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
+        dev = self.device
+        self.dcache = KVCache(draft.cfg, 1, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
+        # vocab: one shared strategy object (full, static: no per-request state) or a factory of windows
+        self.shared = vocab if not callable(vocab) else None
+        self.vocabs = [vocab() if callable(vocab) else vocab for _ in range(max_batch)]
+        self.h_last = torch.zeros(max_batch + 1, target.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
+
+    def prefill(self, req, chunk: int) -> list[int]:
+        """The whole prompt: target prefill, the window's start (top-K_pre), the draft's prefill."""
+        t, d, dev = self.target, self.draft, self.device
+        ids = torch.tensor(req.prompt, device=dev)
+        L = ids.numel()
+        pos = torch.arange(L, device=dev)
+        span = Span(torch.zeros(1, dtype=torch.long, device=dev), causal(L, dev), L,
+                    self.table[req.slot:req.slot + 1])
+        h = t(ids, pos, pos, span, cache=self.cache)
+        first = t.logits(h[-1:])[0]
+        root = first.argmax().view(1)
+        vocab = self.vocabs[req.slot]
+        topk_pre = torch.cat([t.logits(h[i:i + PREFILL_CHUNK]).topk(self.k_pre, -1).indices.flatten()
+                              for i in range(0, L, PREFILL_CHUNK)])
+        vocab.start(ids, topk_pre, first.topk(self.k_ver).indices)  # a window starts afresh: nothing of others
+        dh = d.hidden(torch.cat([ids[1:], root]), h, pos, pos, span, cache=self.dcache)
+        self.h_last[req.slot].copy_(dh[-1])
+        vocab.join()
+        req.prefilled = req.n = L
+        req.last = int(root)
+        return [req.last]
+
+    def decode(self, reqs: list) -> list[list[int]]:
+        """One draft / verify / update round for the batch."""
+        t, d, cfg, dev = self.target, self.draft, self.tree, self.device
+        B, P = len(reqs), cfg.max_path
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        n = torch.tensor([r.n for r in reqs], device=dev)
+        root = torch.tensor([r.last for r in reqs], device=dev)
+        table = self.table.index_select(0, slots)
+        S = max(r.n for r in reqs) + self.reserve
+        vocabs = [self.vocabs[r.slot] for r in reqs]
+
+        def heads(h, k):  # each request through its own vocabulary (packed rows): a loop over the batch
+            outs = [v.head(h[b], k) for b, v in enumerate(vocabs)]
+            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+
+        tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
+        hid, logits = verify(t, self.cache, tree, n, table, S)
+        path, k, emitted = accept(tree, logits.argmax(-1), P)
+        steps = torch.arange(P, device=dev)
+        valid = steps[None, :] <= k[:, None]
+        size = torch.stack([v.size() for v in vocabs])
+        covered = torch.stack([(v.contains(emitted[b]) & valid[b]).sum() for b, v in enumerate(vocabs)])
+        V = logits.shape[-1]
+        ver = logits.gather(1, path[:, :, None].expand(B, P, V)).topk(self.k_ver, -1).indices
+        ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
+        self.cache.move(physical(table, n[:, None] + path).flatten(), physical(table, n[:, None] + steps).flatten())
+        for b, v in enumerate(vocabs):
+            v.update(tree.tokens[b, 1:], ver[b])  # the gathers run on the copy stream, behind the draft forward
+        pos = (n[:, None] + steps).flatten()
+        hid_path = hid.gather(1, path[:, :, None].expand(B, P, hid.shape[-1])).flatten(0, 1)
+        h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal(P, dev).expand(B, P, P), S, table),
+                     cache=self.dcache).view(B, P, -1)
+        self.h_last[slots] = h.gather(1, k[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]
+        for v in vocabs:
+            v.join()
+        rows = torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1).tolist()  # the one host read
+        out = []
+        for r, (kk, sz, cov, *em) in zip(reqs, rows):
+            s = r.stats
+            s.rounds += 1
+            s.round_tokens += kk + 1
+            s.vocab_sum += sz
+            s.vocab_max = max(s.vocab_max, sz)
+            s.covered += cov
+            r.n += kk + 1
+            r.last = em[kk]
+            out.append(em[:kk + 1])
+        return out

@@ -107,7 +107,8 @@ class Scheduler:
         for req in [r for r in self.running if r.prefilling]:
             if budget <= 0:
                 break
-            chunk = min(budget, len(req.prompt) - req.prefilled)
+            rest = len(req.prompt) - req.prefilled
+            chunk = min(budget, rest) if self.runner.chunked else rest
             budget -= chunk
             try:
                 first = self.runner.prefill(req, chunk)
