@@ -50,10 +50,6 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, ablation)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together by the batched "
-                   "engine (a list of prompts, serving); the others wait for a place")
-    p.add_argument("--kv-memory", type=float, help="the batched engine's KV-cache pool: a fraction of free GPU "
-                   "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, one GPU each: run under "
                    "`mpirun -n TP` (heads, MLP and vocabulary split across them)")
     p.add_argument("--tp-timeout", type=float, default=300, help="seconds a rank waits for the others in a "
@@ -84,7 +80,8 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
     return LLM(a.engine, method=method or a.method, draft=a.draft, device=a.device, w_max=a.w_max,
                k_pre=a.k_pre, k_ver=a.k_ver, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
                total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
-               tp=a.tp, tp_timeout=a.tp_timeout, max_batch=a.max_batch, kv_memory=a.kv_memory)
+               tp=a.tp, tp_timeout=a.tp_timeout, max_batch=getattr(a, "max_batch", 16),
+               kv_memory=getattr(a, "kv_memory", None))
 
 
 def cmd_models(a) -> None:
@@ -227,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--prompts-file", help="a file of prompts, one per line (or a JSON list of strings): decoded "
                      "together as one batch")
+    g.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: most requests decoded together; "
+                   "the others wait for a place")
+    g.add_argument("--kv-memory", type=float, help="with --prompts-file: the KV-cache pool the batch shares, a "
+                   "fraction of free GPU memory when <= 1, else GiB (CPU: GiB; default 0.5)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (fewer when the model "
                    "ends its answer)")
