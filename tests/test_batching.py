@@ -69,7 +69,7 @@ def test_waits_for_blocks(engine_dir, ar, alone):
     """A pool of 3 blocks (2 usable, 64 slots): two 2-block requests cannot run together; the second waits in
     the queue and is served once the first frees its blocks."""
     c = ar.target.cfg
-    per_block = 2 * c.num_layers * c.num_kv_heads * 32 * c.head_dim * 4 + 8 * 32
+    per_block = 2 * c.num_layers * c.num_kv_heads * 32 * c.head_dim * 4 + 16 * 32
     llm = LLM(engine_dir, "ar", device="cpu", max_batch=4, kv_memory=3 * per_block / GIB)
     sched = llm.scheduler()
     assert sched.blocks.num_blocks == 3

@@ -42,6 +42,7 @@ class BatchRunner:
         self.reserve = reserve  # slots a step writes past the committed length
         kv_memory = kv_memory or DEFAULT_KV_MEMORY[dev.type]
         layers = c.num_layers + extra_layers  # the draft's pool shares the block ids (one table for both)
+        # k and v of every layer, plus the slot positions (int64) of up to two pools
         per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
         width = -(-c.max_seq_len // KV_BLOCK)  # table columns: S buckets reach up to max_seq_len
         self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), c.max_seq_len // KV_BLOCK)
