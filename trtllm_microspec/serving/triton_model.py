@@ -127,6 +127,11 @@ class TritonPythonModel:
         # this file: running and queued requests then end at once with an error instead of holding the server up
         self.stop_file = os.environ.get(STOP_FILE_ENV)
         self.stopping = False
+        # several instances (serve --gpus 0,1): Triton gives a request to any instance whose `execute` is free, and
+        # ours returns at once, so a busy engine would keep taking requests while another idles; with several, each
+        # `execute` returns only once its engine is done, and Triton's queue feeds whichever engine is free
+        groups = config.get("instance_group", [])
+        self.balance = sum(g.get("count", 1) * max(len(g.get("gpus") or []), 1) for g in groups) > 1
         self.worker = threading.Thread(target=self._work, name="microspec-worker", daemon=True)
         self.worker.start()
 
@@ -138,6 +143,8 @@ class TritonPythonModel:
                 if self._stopping():
                     raise Shutdown()
                 self.jobs.put_nowait(job)
+                if self.balance:
+                    self.jobs.join()
             except UserError as e:
                 _send(sender, _error(str(e)), final=True)
             except queue.Full:
@@ -196,6 +203,8 @@ class TritonPythonModel:
                 error = _error("the request was cancelled", "CANCELLED")
             except Exception as e:  # a failure in one request must not stop the worker
                 error = _error(f"generation failed: {type(e).__name__}: {e}", "INTERNAL")
+            finally:
+                self.jobs.task_done()  # frees a waiting `execute` (several instances)
             try:
                 _send(job.sender, error, final=True)
             except Exception:
