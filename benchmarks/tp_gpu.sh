@@ -5,7 +5,7 @@
 #   equal      fp32: TP=2 emits TP=1's tokens for ar and microspec (one chat prompt, 256 tokens)
 #   speed      Spec-Bench + HumanEval, ar and microspec with $HEAD, bf16, at TP=1 then TP=2 (tokens/s in results.md)
 #   allreduce  the all-reduce share of the GPU kernel time of 256 tokens at TP=2 (ar and microspec; torch.profiler,
-#              CUDA graphs on: the NCCL kernels of the captured steps count too)
+#              CUDA graphs on: the NCCL kernels of the captured steps count too), and each rank's target weights
 #   dp         `serve --gpus 0` vs `serve --gpus 0,1`: 64 requests at concurrency 16 (output tok/s of each)
 # mpirun needs --allow-run-as-root as root; serving needs what benchmarks/gpu_serve_check.sh describes (STUB_SITE).
 set -euo pipefail
@@ -54,8 +54,9 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
 ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
 total = sum(e.self_device_time_total for e in ev)
 nccl = sum(e.self_device_time_total for e in ev if "nccl" in e.key.lower())
+weights = sum(p.numel() * p.element_size() for p in llm.target.parameters()) / 2**30
 print(f"rank {parallel.rank()} {method}: {r.stats['tokens_per_s']:.1f} tok/s, all-reduce/gather kernels "
-      f"{nccl / total:.1%} of {total / 1e3:.0f} ms GPU kernel time")
+      f"{nccl / total:.1%} of {total / 1e3:.0f} ms GPU kernel time; target weights {weights:.2f} GiB on this GPU")
 EOF
       done ;;
     dp)

@@ -100,7 +100,8 @@ class LLM:
         self.device, dtype = pick_device(device, dtype)
         if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
             self.device = parallel.init(tp, self.device, tp_timeout)
-        self.target, self.tokenizer = load_target(self.engine_dir, self.device, dtype, max_seq_len)
+        self.target, self.tokenizer = load_target(self.engine_dir, self.device, dtype, max_seq_len,
+                                                  draft_head=method != "ar")
         draft_model = vocab = None
         if method != "ar":
             from .spec.eagle import load_draft

@@ -60,8 +60,9 @@ def damaged(d: Path, why: str) -> UserError:
     return UserError(f"{d} is damaged ({one_line(why)}): rebuild it with `{rebuild_command(d)}`")
 
 
-def load_target(engine_dir: str | Path, device: torch.device, dtype: torch.dtype,
-                max_seq_len: int | None = None) -> tuple[Transformer, Tokenizer]:
+def load_target(engine_dir: str | Path, device: torch.device, dtype: torch.dtype, max_seq_len: int | None = None,
+                draft_head: bool = False) -> tuple[Transformer, Tokenizer]:
+    """draft_head: under TP, also keep the whole LM head (`full_head`) for a draft vocabulary."""
     d = Path(engine_dir)
     cfg = read_config(d)
     if max_seq_len:
@@ -76,7 +77,7 @@ def load_target(engine_dir: str | Path, device: torch.device, dtype: torch.dtype
         with torch.device("meta"):
             model = Transformer(local)
         sd = load_file(d / "model.safetensors")
-        if tp:  # each rank keeps the whole LM head for the draft vocabulary's row gathers (README: tensor parallel)
+        if tp:
             full_head = sd["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
             sd = parallel.shard_state_dict(sd, cfg)
         model.load_state_dict(sd, strict=True, assign=True)
@@ -87,6 +88,6 @@ def load_target(engine_dir: str | Path, device: torch.device, dtype: torch.dtype
     except Exception as e:
         raise damaged(d, f"tokenizer: {e}") from None
     model.setup(dtype, device).eval()
-    if tp:
+    if tp and draft_head:  # each rank gathers the draft vocabulary's rows from its own copy (README: Multi-GPU)
         model.full_head = full_head.to(device=device, dtype=dtype)
     return model, tokenizer
