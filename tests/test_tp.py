@@ -19,7 +19,6 @@ import sys
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from trtllm_microspec import LLM, parallel

@@ -268,6 +268,17 @@ def markdown(rows: list[dict], tgts: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(path: str | None, text: str, data: dict) -> None:
+    """Print the markdown; with a path, write it there and the data as JSON beside it (.json)."""
+    print(text)
+    if path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {out} and {out.with_suffix('.json')}")
+
+
 def run(a) -> None:
     if not torch.cuda.is_available():
         raise UserError("bench-kernels needs a CUDA GPU")
@@ -289,14 +300,7 @@ def run(a) -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, backend=plugins.BACKEND,
                 w_max=a.w_max, step_ids=a.step_ids, top_k=a.top_k, iters=a.iters, launch_us=launch,
                 copy_bw=COPY_BW)
-    text = markdown(rows, tgts, meta)
-    print(text)
-    if a.out:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, targets=tgts), indent=1) + "\n")
-        print(f"wrote {out} and {out.with_suffix('.json')}")
+    write_report(a.out, markdown(rows, tgts, meta), dict(meta=meta, rows=rows, targets=tgts))
     faulthandler.cancel_dump_traceback_later()
 
 

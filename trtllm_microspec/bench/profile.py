@@ -10,18 +10,15 @@ it reads) and the bandwidth against the 4.2 TB/s copy bandwidth. --context commi
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from plugins import layers
 
 from ..models.model import Span
 from ..models.registry import UserError
 from ..spec.tree import TreeConfig, causal, draft_tree, verify
-from .kernels import COPY_BW, Timer
+from .kernels import COPY_BW, Timer, write_report
 
 
 def count_kernels(fn) -> int:
@@ -92,13 +89,7 @@ def run(a) -> None:
     layer_rows = layer_table(target, n, S, timer)
     meta = dict(engine=str(a.engine), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 context=a.context, iters=a.iters, weights_gb=sum(p.numel() * 2 for p in target.parameters()) / 1e9)
-    text = markdown(rows, layer_rows, meta)
-    print(text)
-    if a.out:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, phases=rows, layer=layer_rows), indent=1))
+    write_report(a.out, markdown(rows, layer_rows, meta), dict(meta=meta, phases=rows, layer=layer_rows))
 
 
 def layer_table(target, n, S, timer) -> list[dict]:
