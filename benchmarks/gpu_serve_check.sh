@@ -8,7 +8,7 @@
 # Knobs: INSTANCE_KIND=gpu|cpu (Triton instance kind; the model runs on cuda either way), GRPC_PORT, MAX_TOKENS,
 # CONCURRENCY, REQUESTS, DEVICE (cuda; cpu with INSTANCE_KIND=cpu rehearses the script on a CPU machine).
 set -euo pipefail
-ENGINE=${1:?usage: device_serve_check.sh ENGINE_DIR [DRAFT_DIR]}
+ENGINE=${1:?usage: gpu_serve_check.sh ENGINE_DIR [DRAFT_DIR]}
 DRAFT=(${2:+--draft "$2"})
 DEVICE=${DEVICE:-cuda}
 KIND=${INSTANCE_KIND:-gpu}
