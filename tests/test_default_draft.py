@@ -37,3 +37,10 @@ def test_quickstart(capsys):
     out = capsys.readouterr().out
     assert "identical to AR greedy: True" in out
     assert "== microspec:" in out and "acceptance length" in out
+    assert "== tree: depth 3, tree-top-k 4, 12 tokens (the CPU's default)" in out  # the CPU's small tree
+
+
+def test_quickstart_tree_knobs_given_win(capsys):
+    main(["quickstart", "--max-new-tokens", "8", "--depth", "2", "--total-tokens", "9"])
+    out = capsys.readouterr().out
+    assert "== tree: depth 2, tree-top-k 4, 9 tokens" in out and "identical to AR greedy: True" in out
