@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from trtllm_microspec.bench.specbench import data_dir, load_questions
 from trtllm_microspec.cli import main
 from trtllm_microspec.engine.loader import read_config
+from trtllm_microspec.engine.stats import percentiles
 from trtllm_microspec.llm import FREQ_FILE
 
 CATS = ["mt_bench", "translation", "code"]
@@ -99,11 +100,50 @@ def test_questions():
     assert qs[2]["turns"][0].startswith("Complete the following Python function:\n```python\nfrom typing import List")
 
 
-@pytest.mark.parametrize("args", [["--categories", "nope"], ["--methods", "ar,nope"], ["--data", "/nonexistent"]])
+@pytest.mark.parametrize("args", [["--categories", "nope"], ["--methods", "ar,nope"], ["--data", "/nonexistent"],
+                                  ["--concurrency", "2", "--methods", "ar,hf"],
+                                  ["--concurrency", "2", "--methods", "ar,naive"], ["--concurrency", "0"],
+                                  ["--concurrency", "2", "--temperature", "0.7"]])
 def test_bad_input(args, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--out", str(tmp_path), *args])
-    assert e.value.code == 2 and "microspec: error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "microspec: error:" in err and len(err.strip().splitlines()) == 1
+
+
+def test_percentiles_on_fixed_numbers():
+    assert percentiles([4.0, 1.0, 3.0, 2.0, 5.0]) == {"p50": 3.0, "p90": 4.6, "p99": pytest.approx(4.96)}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
+    """--concurrency 2: the first turns of 3 questions through the batched engine, 2 in flight, per method."""
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        main(["bench", "--engine", str(engine_dir), "--draft", str(random_draft_dir), "--device", "cpu",
+              "--categories", "translation,code", "--limit", "1", "--max-new-tokens", "8", "--warmup", "1",
+              "--methods", "ar,microspec", "--depth", "2", "--total-tokens", "8", "--concurrency", "2",
+              "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    for name in ("ar", "microspec"):
+        b = res["runs"][name]["batched"]
+        assert b["concurrency"] == 2 and b["requests"] == 2 and b["requests_per_s"] > 0 and b["output_tokens_per_s"] > 0
+        # the batch decodes what the one-at-a-time run decoded for each first turn
+        alone = {t["qid"]: t["new_tokens"] for t in res["runs"][name]["turns"] if t["turn"] == 0}
+        assert {r["qid"]: r["new_tokens"] for r in b["per_request"]} == alone
+        for r in b["per_request"]:
+            assert 0 < r["ttft_s"] <= r["wall_s"] <= b["wall_s"]
+        for key in ("ttft_s", "itl_s", "latency_s"):
+            p = b[key]
+            assert 0 < p["p50"] <= p["p90"] <= p["p99"], (name, key)
+        assert b["ttft_s"]["p99"] <= b["latency_s"]["p99"]
+        assert b["output_tokens_per_s"] == pytest.approx(sum(alone.values()) / b["wall_s"])
+        assert f"[bench] {name}: 2 first turns at concurrency 2: " in log.getvalue()
+    md = (tmp_path / "results.md").read_text()
+    assert "## in-flight batching at concurrency 2" in md and "(wall - TTFT) / (tokens - 1)" in md
+    table = md.split("## in-flight batching")[1].split("\n\n")[2].splitlines()
+    assert [r.split(" | ")[:2] for r in table[2:]] == [["| ar", "2"], ["| microspec", "2"]]
+    assert all(len(r.split("|")) == 12 and " - " not in r for r in table)
 
 
 # ---- outside references: hf-compiled on the CPU, the conversions vLLM loads (vLLM itself runs on the GPU only)

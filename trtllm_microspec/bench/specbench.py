@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .. import parallel
+from ..engine.stats import percentiles
 from ..models.registry import UserError
 from .references import HF, HF_COMPILED, REFERENCES, VLLM, VLLM_EAGLE, make_reference, require_vllm
 
@@ -84,7 +85,8 @@ def make_model(a, run: dict):
         return make_reference(run["method"], a)
     from ..cli import llm_from_args
 
-    return llm_from_args(argparse.Namespace(**{**vars(a), "w_max": run["w_max"], "static_k": run["static_k"]}),
+    batch = {"max_batch": a.concurrency} if a.concurrency else {}  # else the LLM's default
+    return llm_from_args(argparse.Namespace(**{**vars(a), "w_max": run["w_max"], "static_k": run["static_k"], **batch}),
                          method=run["method"])
 
 
@@ -118,6 +120,33 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
         log(f"{label}: question {i}/{len(questions)} ({q['category']}): {sum(r['new_tokens'] for r in done)} tokens "
             f"in {sum(r['time_s'] for r in done):.1f} s")
     return records, ids
+
+
+def run_batched(model, questions: list[dict], a, label: str) -> dict:
+    """--concurrency: every question's first turn submitted at once to the batched engine (max_batch = concurrency,
+    the rest join as others finish): throughput and per-request latency."""
+    prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
+    if a.warmup:  # the batched engine has its own kernels, graphs and KV pool, not touched by the warm-up above
+        model.generate(prompts[:a.concurrency], min(a.max_new_tokens, WARMUP_TOKENS), chat=True)
+    results, wall = timed(model, prompts, a.max_new_tokens, model.device.type == "cuda", {})
+    per_request = [{"qid": q["qid"], **{k: r.stats[k] for k in ("new_tokens", "ttft_s", "wall_s")}}
+                   for q, r in zip(questions, results)]
+    s = batch_summary(per_request, wall, a.concurrency)
+    log(f"{label}: {len(prompts)} first turns at concurrency {a.concurrency}: {s['requests_per_s']:.2f} req/s, "
+        f"{s['output_tokens_per_s']:.1f} output tok/s")
+    return s
+
+
+def batch_summary(per_request: list[dict], wall: float, concurrency: int) -> dict:
+    """The engine records no per-token times, so a request's inter-token latency is its mean over the decode:
+    (wall - TTFT) / (tokens - 1); a request of one token has none."""
+    tokens = sum(r["new_tokens"] for r in per_request)
+    return {"concurrency": concurrency, "requests": len(per_request), "wall_s": wall,
+            "requests_per_s": len(per_request) / wall, "output_tokens_per_s": tokens / wall,
+            "ttft_s": percentiles([r["ttft_s"] for r in per_request]),
+            "itl_s": percentiles([(r["wall_s"] - r["ttft_s"]) / (r["new_tokens"] - 1)
+                                  for r in per_request if r["new_tokens"] > 1]),
+            "latency_s": percentiles([r["wall_s"] for r in per_request]), "per_request": per_request}
 
 
 def summarize(records: list[dict]) -> dict:
@@ -199,6 +228,18 @@ def markdown(res: dict) -> str:
                       f"| {knob} | " + " | ".join(t for _, t, _ in METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
             lines += [f"| {r[knob]} | " + " | ".join(_fmt(r["summary"]["overall"][k], s) for k, _, s in METRICS) + " |"
                       for r in sweep]
+    batched = {n: r["batched"] for n, r in runs.items() if r.get("batched")}
+    if batched:
+        ms = lambda p: " | ".join(_fmt(p[k] and p[k] * 1e3, ".1f") for k in ("p50", "p90", "p99"))
+        lines += ["", f"## in-flight batching at concurrency {res['config']['concurrency']} (first turns, all at once)",
+                  "",
+                  ("TTFT counts from submission (queueing included). The engine records no per-token times: "
+                   "inter-token latency (ITL) is per request (wall - TTFT) / (tokens - 1), its mean over the decode "
+                   "(a speculative round emits several tokens at once)."), "",
+                  "| method | requests | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | p99 (ms) |",
+                  "|---" * 10 + "|"]
+        lines += [f"| {n} | {b['requests']} | {b['requests_per_s']:.2f} | {b['output_tokens_per_s']:.1f} | "
+                  f"{ms(b['ttft_s'])} | {ms(b['itl_s'])} |" for n, b in batched.items()]
     cov = res.get("static_coverage")
     if cov:
         cats = [c for c in cols if c in cov]
@@ -237,6 +278,17 @@ def cmd_bench(a) -> None:
             raise UserError(f"unknown category {c!r}; choose from {', '.join(CATEGORIES)}")
     if a.limit is not None and a.limit < 1:
         raise UserError("--limit must be at least 1")
+    if a.concurrency is not None:
+        from ..llm import BATCHED
+
+        unbatched = [m for m in a.methods if m not in BATCHED]
+        if a.concurrency < 1:
+            raise UserError("--concurrency must be at least 1")
+        if unbatched:
+            raise UserError(f"--concurrency runs the batched engine, which runs {', '.join(BATCHED)}, not "
+                            f"{', '.join(unbatched)}")
+        if sampling or a.tp > 1:
+            raise UserError("--concurrency runs the batched engine: greedy and on one device (no --temperature, --tp)")
     questions = load_questions(data_dir(a.data), a.categories, a.limit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +308,7 @@ def cmd_bench(a) -> None:
         model = make_model(a, run)
         t0 = time.perf_counter()
         records, ids = run_questions(model, questions, a, label, sampling)
+        batched = run_batched(model, questions, a, label) if a.concurrency else None
         if run["method"] == "ar":
             ar_ids = ids
             res["device"] = str(model.device)
@@ -273,7 +326,7 @@ def cmd_bench(a) -> None:
             s["speedup"] = s["speed"] / ar[c]["speed"]
         mism = [] if sampling else compare(ids, ar_ids)
         res["runs"][label] = {**run, "lossless": None if sampling else not mism, "mismatches": mism, "summary": summary,
-                              "turns": records}
+                              "turns": records, "batched": batched}
         s = summary["overall"]
         log(f"{label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
             f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)")
@@ -334,6 +387,8 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method")
     p.add_argument("--frspec-k", type=_ints, default=[], help="FR-Spec sweep: comma list of vocabulary sizes")
     p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6)")
+    p.add_argument("--concurrency", type=int, help="also decode every question's first turn through the batched "
+                   "engine, this many at once: throughput, TTFT and inter-token latency")
     p.add_argument("--data", help="data directory (default: MICROSPEC_DATA or <repo>/../shared/data)")
     p.add_argument("--out", default="bench_out", help="directory for results.json, results.md and the plots")
     p.set_defaults(func=cmd_bench)

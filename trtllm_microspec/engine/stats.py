@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 
 @dataclass
 class Stats:
@@ -27,3 +29,8 @@ class Stats:
         d["coverage"] = self.covered / self.round_tokens if self.round_tokens else None
         d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
         return d
+
+
+def percentiles(xs: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict:
+    """{"p50": ..., "p90": ..., "p99": ...} (linear interpolation); None each when there is nothing to rank."""
+    return {f"p{q}": float(np.percentile(xs, q)) if xs else None for q in qs}

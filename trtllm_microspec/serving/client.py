@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine.stats import percentiles
 from ..models.registry import UserError
 
 MODEL_NAME = "microspec"
@@ -36,6 +37,7 @@ class Completion:
     ttft_s: float | None  # time to the first non-empty piece
     latency_s: float
     pieces: list[str] = field(default_factory=list)
+    last_s: float | None = None  # time to the last non-empty piece
 
 
 def _grpc():
@@ -99,17 +101,18 @@ def stream(url: str, prompt: str | bytes, max_tokens: int = 256, stream: bool = 
            timeout: float = 600, sampling: dict | None = None) -> Generator[str, None, Completion]:
     """Yields text pieces as they arrive (one, the whole text, when stream=False); returns the Completion."""
     t0 = time.perf_counter()
-    ttft, pieces, stats = None, [], {}
+    ttft, last, pieces, stats = None, None, [], {}
     for out in stream_infer(url, make_inputs(prompt, max_tokens, stream, chat, end_id, stop_words, sampling), model, timeout):
         piece = out["text_output"][0].decode()
         if piece:
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            last = time.perf_counter() - t0
+            ttft = ttft if ttft is not None else last
             pieces.append(piece)
             yield piece
         stats.update({k: out[k][0].item() for k in STAT_OUTPUTS if k in out})
     if not stats:  # the model's last response always has them: an empty final one means the request was cut off
         raise RequestError("the stream ended before the request completed")
-    return Completion("".join(pieces), stats, ttft, time.perf_counter() - t0, pieces)
+    return Completion("".join(pieces), stats, ttft, time.perf_counter() - t0, pieces, last)
 
 
 def generate(url: str, prompt: str | bytes, max_tokens: int = 256, **kw) -> Completion:
@@ -132,14 +135,22 @@ def load(url: str, prompts: list[str], concurrency: int, requests: int, max_toke
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, range(requests)))
-    wall = time.perf_counter() - t0
+    return load_report(results, concurrency, time.perf_counter() - t0)
+
+
+def load_report(results: list[Completion | str], concurrency: int, wall: float) -> dict:
+    """Throughput and latency percentiles of a load run's results (a Completion, or the error of a failed request).
+    A response may carry several tokens (a speculative round), so a request's inter-token latency is its mean:
+    (last piece's arrival - first piece's) / (tokens - 1), for streamed requests of more than one piece."""
     done = [r for r in results if isinstance(r, Completion)]
-    pct = lambda xs: {f"p{q}": float(np.percentile(xs, q)) if xs else None for q in (50, 90, 99)}  # noqa: E731
     tokens = sum(c.stats.get("num_output_tokens", 0) for c in done)
-    return {"requests": requests, "concurrency": concurrency, "completed": len(done),
+    itl = [(c.last_s - c.ttft_s) / (c.stats["num_output_tokens"] - 1) for c in done
+           if len(c.pieces) > 1 and c.stats.get("num_output_tokens", 0) > 1]
+    return {"requests": len(results), "concurrency": concurrency, "completed": len(done),
             "errors": [r for r in results if isinstance(r, str)], "wall_s": wall,
             "requests_per_s": len(done) / wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "ttft_s": pct([c.ttft_s for c in done if c.ttft_s is not None]), "latency_s": pct([c.latency_s for c in done]),
+            "ttft_s": percentiles([c.ttft_s for c in done if c.ttft_s is not None]), "itl_s": percentiles(itl),
+            "latency_s": percentiles([c.latency_s for c in done]),
             "mean_acceptance_length": float(np.mean([c.stats["acceptance_length"] for c in done])) if done else None}
 
 
@@ -156,11 +167,12 @@ def cmd_client(a: argparse.Namespace) -> None:
         if a.json:
             print(json.dumps(r))
             return
-        ms = lambda p: " ".join(f"{k} {v * 1e3:.0f} ms" for k, v in p.items() if v is not None)  # noqa: E731
+        ms = lambda p: " ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p.items() if v is not None)  # noqa: E731
         print(f"{r['completed']}/{r['requests']} requests at concurrency {r['concurrency']} in {r['wall_s']:.2f} s: "
               f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
               f"mean acceptance length {r['mean_acceptance_length'] or 0:.2f}\n"
-              f"  time to first token: {ms(r['ttft_s'])}\n  request latency:     {ms(r['latency_s'])}")
+              f"  time to first token: {ms(r['ttft_s'])}\n  request latency:     {ms(r['latency_s'])}\n"
+              f"  inter-token latency: {ms(r['itl_s']) or '- (no streamed request of two pieces or more)'}")
         for e in sorted(set(r["errors"])):
             print(f"  error ({r['errors'].count(e)}x): {e}", file=sys.stderr)
         if r["errors"]:
