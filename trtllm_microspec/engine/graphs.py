@@ -1,4 +1,5 @@
-"""CUDA graphs captured by hand, one per (phase, KV-length bucket).
+"""CUDA graphs captured by hand, one per (phase, bucket key): the key is whatever changes the captured work, the
+KV-length bucket and (executor) the sampling mode, or (batched runner) the batch-size bucket.
 
 A phase is a function that reads and writes persistent tensors (state updated in place) and may leave
 new tensors as attributes for the next phase. The first round of a bucket runs every phase eagerly (this
@@ -7,6 +8,8 @@ that phases only replay. All phases of a round use the same bucket, so a capture
 tensors produced by the captured phase before it. Capturing executes nothing, so no state is applied twice.
 """
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 
@@ -17,10 +20,10 @@ class GraphRunner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.rounds_seen: dict[int, int] = {}
 
-    def begin_round(self, bucket: int) -> None:
+    def begin_round(self, bucket: Hashable) -> None:
         self.rounds_seen[bucket] = self.rounds_seen.get(bucket, 0) + 1
 
-    def __call__(self, name: str, bucket: int, fn) -> None:
+    def __call__(self, name: str, bucket: Hashable, fn) -> None:
         key = (name, bucket)
         g = self.graphs.get(key)
         if g is None:
