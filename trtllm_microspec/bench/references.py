@@ -3,7 +3,7 @@
 - `hf`: transformers' eager `generate`;
 - `hf-compiled`: transformers' model with a StaticCache and a torch.compile'd one-token decode step (gpt-fast style);
 - `vllm` / `vllm-eagle`: vLLM (batch 1, greedy), plain or with our EAGLE head, on the engine converted to a Hugging
-  Face directory (and the head to vLLM's EAGLE layout). vLLM runs where it is importable (the GPU machine).
+  Face directory (and the head to vLLM's EAGLE layout). vLLM runs where it is importable (a CUDA machine with vLLM 0.26).
 
 Each has `device`, `engine_dir` and `generate(prompt, max_new_tokens, chat) -> Result` like our `LLM`, stops at the
 engine's EOS ids (the EOS token included, as our executor does) and reports new_tokens and wall_s.
@@ -28,7 +28,8 @@ REFERENCES = (HF, HF_COMPILED, VLLM, VLLM_EAGLE)
 MAX_CACHE = 4096  # hf-compiled's and vLLM's context: every bench prompt fits, and one cache serves all prompts
 # the Hugging Face / vLLM class of each engine family (source.json keeps the original HF config)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-# vLLM reads these environment variables at import; flashinfer is not carried to the GPU machine, and in-process
+# vLLM reads these environment variables at import; its FlashInfer sampler is off (the bench does not need
+# flashinfer installed), and in-process
 # engines keep the bench in one process (the bench times each request with perf_counter around generate)
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
@@ -255,7 +256,7 @@ class VLLMReference:
         from vllm.inputs import TokensPrompt
 
         self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
-        # the settings measured on the H200 (shared/tools/vllm); requests still go one at a time
+        # the settings of the vLLM figures in shared/GPU.md; requests still go one at a time
         self.llm = LLM(**kw, skip_tokenizer_init=True, dtype=str(dt).removeprefix("torch."), max_model_len=self.max_len,
                        gpu_memory_utilization=0.35, max_num_seqs=32, seed=0, enable_prefix_caching=False)
 
@@ -280,4 +281,4 @@ class VLLMReference:
 
 def require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
-        raise UserError("vllm is not installed (it runs on the GPU machine: see README, Benchmarks)")
+        raise UserError("vllm is not installed (pip install vllm==0.26.0 on a CUDA machine: see README, Outside references)")
