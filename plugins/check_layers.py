@@ -29,11 +29,12 @@ def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def random_tree(g, N: int) -> torch.Tensor:
-    """[N, N] ancestor mask of a random tree whose parents precede their children (node 0 the root)."""
+def random_tree(g, N: int, reach: int = 0) -> torch.Tensor:
+    """[N, N] ancestor mask of a random tree whose parents precede their children (node 0 the root); reach > 0:
+    a parent is one of the `reach` nodes before its child, so the depth grows like a drafted tree's."""
     anc = torch.eye(N, dtype=torch.bool)
     for i in range(1, N):
-        anc[i] |= anc[int(torch.randint(i, (1,), generator=g))]
+        anc[i] |= anc[int(torch.randint(max(0, i - reach) if reach else 0, i, (1,), generator=g))]
     return anc
 
 

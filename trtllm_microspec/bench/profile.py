@@ -14,6 +14,7 @@ import argparse
 import torch
 
 from plugins import layers
+from plugins.check_layers import random_tree
 
 from ..models.model import Span
 from ..models.registry import UserError
@@ -28,13 +29,6 @@ def count_kernels(fn) -> int:
         fn()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memset"))
-
-
-def random_tree(g: torch.Generator, N: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    anc = torch.eye(N, dtype=torch.bool)
-    for i in range(1, N):
-        anc[i] |= anc[int(torch.randint(max(0, i - 8), i, (1,), generator=g))]  # depth grows like a real tree
-    return anc.to(dev), (anc.sum(1) - 1).to(dev)
 
 
 def run(a) -> None:
@@ -55,7 +49,8 @@ def run(a) -> None:
     L, n, zero = a.prefill, torch.tensor(a.context, device=dev), torch.tensor(0, device=dev)
     ids = torch.randint(c.vocab_size, (max(L, a.context),), generator=g).to(dev)
     S = a.context + 256
-    anc, depth = random_tree(g, a.tree, dev)
+    anc = random_tree(g, a.tree, reach=8).to(dev)
+    depth = anc.sum(1) - 1
     tree_tokens = torch.randint(c.vocab_size, (a.tree,), generator=g).to(dev)
     root = ids[:1].clone()
     h_last = torch.randn(c.hidden_size, generator=g).to(dev, torch.bfloat16)
