@@ -19,8 +19,8 @@ Data: every ShareGPT conversation (or the first --conversations) rendered with t
 assistant turns are ChatGPT's, as in EAGLE), tokenised in parallel (tokenizers' encode_batch), cut at --max-len
 tokens and packed whole into rows of <= --max-len tokens (no padding): attention is block-diagonal causal within a
 row and positions restart at 0 for each conversation. The target runs once per row; its features are cached on
-the device (bf16 on CUDA) and the target distribution is recomputed from them through the head (V floats per
-token would not fit). The last --heldout fraction of the conversations is held out.
+the device (bf16 on CUDA) and the target distribution is recomputed from them through the head, a chunk of rows
+at a time (V floats per token would not fit). The last --heldout fraction of the conversations is held out.
 
 Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs; with --time-limit the plan
 is cut, after a few measured steps, to the steps that fit before the limit, so the cosine ends when time does
@@ -199,24 +199,39 @@ def unroll(draft: EagleDraft, p: Pack, steps: int, noise: torch.Generator | None
         yield x
 
 
+def soft_ce_chunk(zq: torch.Tensor, zt: torch.Tensor):
+    """fp32 draft logits zq and target logits zt [rows, V] -> (sum of the cross-entropy of softmax(zq) against
+    softmax(zt), rows whose argmaxes agree, d loss / d zq). On CUDA it runs compiled (`_soft_ce_chunk`): the
+    eager version makes ~10 passes over [rows, V] fp32 tensors, which cost more than the two GEMMs."""
+    logq = zq.log_softmax(-1)
+    p = zt.softmax(-1)
+    return -(p * logq).sum(), (zq.argmax(-1) == zt.argmax(-1)).sum(), logq.exp() - p
+
+
+@functools.cache
+def _soft_ce_chunk(cuda: bool):
+    return torch.compile(soft_ce_chunk, dynamic=True) if cuda else soft_ce_chunk
+
+
 class SoftCE(torch.autograd.Function):
-    """Sum over rows of the cross-entropy of softmax(h @ W^T) against the distributions `want`, and the number of
-    rows whose argmaxes agree. The gradient is computed in the forward, a chunk of rows at a time, so no [rows, V]
-    logits are kept for backward (a 16k-token batch at V = 152k would hold 10 GB of them)."""
+    """Sum over rows of the cross-entropy of softmax(h @ W^T) against softmax(want @ W^T) (want: the target's
+    features of the same positions), and the number of rows whose argmaxes agree. Both logits are made a chunk
+    of rows at a time and the gradient is computed in the forward, so no [rows, V] tensor outlives its chunk
+    (a 16k-token batch at V = 152k would hold 10 GB of logits; recomputing the target's chunk is one GEMM)."""
 
     @staticmethod
     def forward(ctx, h, weight, want):
         rows = max(1, CE_CHUNK // weight.shape[0])
+        chunk = _soft_ce_chunk(h.is_cuda)
         loss = torch.zeros((), device=h.device)
         correct = torch.zeros((), dtype=torch.long, device=h.device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         for i in range(0, h.shape[0], rows):
-            logq = F.linear(h[i:i + rows].to(weight.dtype), weight).float().log_softmax(-1)
-            p = want[i:i + rows]
-            loss += -(p * logq).sum()
-            correct += (logq.argmax(-1) == p.argmax(-1)).sum()
-            if grad is not None:  # d/dlogits = softmax * sum(p) - p
-                dz = logq.exp() * p.sum(-1, keepdim=True) - p
+            zq = F.linear(h[i:i + rows].to(weight.dtype), weight).float()
+            zt = F.linear(want[i:i + rows].to(weight.dtype), weight).float()
+            l, c, dz = chunk(zq, zt)
+            loss, correct = loss + l, correct + c
+            if grad is not None:
                 grad[i:i + rows] = (dz.to(weight.dtype) @ weight).to(h.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
@@ -228,22 +243,14 @@ class SoftCE(torch.autograd.Function):
         return g * grad, None, None
 
 
-@torch.no_grad()
-def target_probs(target: Transformer, feats: torch.Tensor) -> torch.Tensor:
-    """[T, V] fp32 softmax(head(feats)), chunked like SoftCE."""
-    rows = max(1, CE_CHUNK // target.cfg.vocab_size)
-    return torch.cat([target.logits(feats[i:i + rows]).float().softmax(-1) for i in range(0, len(feats), rows)])
-
-
 def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None):
     """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows."""
-    want = target_probs(target, p.feats)
     out = []
     for s, h in enumerate(unroll(draft, p, steps, noise)):
         sel = p.valid(s).nonzero().squeeze(-1)
         nxt = sel + s + 1
         vloss = F.smooth_l1_loss(h[sel].float(), p.feats[nxt].float(), reduction="none").mean(-1).sum()
-        ploss, correct = SoftCE.apply(h[sel], target.head_weight, want[nxt])
+        ploss, correct = SoftCE.apply(h[sel], target.head_weight, p.feats[nxt])
         out.append((vloss, ploss, correct, len(sel)))
     return out
 
