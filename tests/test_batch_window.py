@@ -65,8 +65,11 @@ def test_windows_never_mix():
     low, high = torch.arange(10, 150), torch.arange(150, 300)
     bw.start(2, low[:20], low[20:30])
     bw.start(0, high[:3], high[3:5])
+
+    def pick(ids):  # two rows of 8 ids from one request's own range
+        return ids[torch.randint(ids.numel(), (2, 8), generator=g)]
+
     for _ in range(6):
-        pick = lambda ids: ids[torch.randint(ids.numel(), (2, 8), generator=g)]  # noqa: E731
         bw.update(batch, torch.stack([pick(low)[0], pick(high)[0]]), torch.stack([pick(low)[1], pick(high)[1]]))
         for slot, own in ((2, low), (0, high)):
             active = set(bw.id_of[slot][bw.id_of[slot] >= 0].tolist())

@@ -155,8 +155,8 @@ def test_spec_batch_equals_alone(method, engine_dir, random_draft_dir, alone):
         sched.step()
         for r in reqs[:2]:  # a request's window as it leaves (a later request resets its slot's window)
             if r.done and r.rid not in final and method == "microspec":
-                v = sched.runner.vocabs[slot_of[r.rid]]
-                final[r.rid] = (v.ring.clone(), v.id_of.clone())
+                v, slot = sched.runner.vocab, slot_of[r.rid]
+                final[r.rid] = (v.ring[slot].clone(), v.id_of[slot, :v.R].clone())
         if cancel.out and not cancel.done:
             sched.cancel(cancel)
     for r, w in zip(reqs[:2], want):

@@ -47,7 +47,8 @@ def resolve_engine(engine: str | Path) -> Path:
 
 def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3, static_k: int = 32768,
                 depth: int = 5, top_k: int = 10, total_tokens: int = 60, max_seq_len: int | None = None,
-                tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S) -> None:
+                tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S, max_batch: int = 16,
+                kv_memory: float | None = None) -> None:
     """Refuse knobs the engine cannot run, in one line, before they fail deep inside a kernel (a window of 0 ids
     divides by zero, a top-k over fewer candidates than k is out of range, a negative length is a negative size)."""
     def need(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
@@ -70,6 +71,9 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
     need("tp", tp, 1)
     if tp_timeout <= 0:
         raise UserError(f"tp_timeout must be positive, got {tp_timeout}")
+    need("max_batch", max_batch, 1)
+    if kv_memory is not None and kv_memory <= 0:
+        raise UserError(f"kv_memory must be positive (a fraction of free GPU memory, or GiB), got {kv_memory}")
 
 
 @dataclass
@@ -95,7 +99,7 @@ class LLM:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
         check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, depth, top_k,
-                    total_tokens, max_seq_len, tp, tp_timeout)
+                    total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory)
         self.method = method
         self.device, dtype = pick_device(device, dtype)
         if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
@@ -117,9 +121,6 @@ class LLM:
             head = self.target.head_weight if parallel.world() == 1 else self.target.full_head
             vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max,
                                ranked_ids=self._ranked_ids() if method == "frspec" else None, static_k=static_k)
-            # the batched engine gives each request its own window; full and static vocabularies are shared
-            self._batch_vocab = vocab if method in ("eagle", "frspec") else \
-                (lambda: make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max))
         tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
         self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,
                                  cuda_graphs=cuda_graphs and self.device.type == "cuda")
@@ -127,8 +128,6 @@ class LLM:
             raise UserError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt: each step reserves "
                             f"{self.executor.reserve} cache slots (raise max_seq_len or shrink the tree)")
         self._lock = threading.Lock()  # one request at a time: the KV caches and the window are static
-        if max_batch < 1:
-            raise UserError(f"max_batch must be at least 1, got {max_batch}")
         self.max_batch, self.kv_memory = max_batch, kv_memory
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._scheduler = None  # the batched engine and its KV pool, made on first use
@@ -191,12 +190,14 @@ class LLM:
                 raise UserError("the batched engine runs on one device; with --tp give one prompt at a time")
             from .engine.runner import BatchRunner, SpecRunner
             from .engine.scheduler import Scheduler
+            from .vocab.batched import batch_vocab
             if self.method == "ar":
                 runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs)
             else:
                 e = self.executor
-                runner = SpecRunner(self.target, e.draft, self._batch_vocab, e.tree, e.k_pre, e.k_ver,
-                                    self.max_batch, self.kv_memory)
+                vocab = batch_vocab(e.vocab, self.max_batch)  # shared rows, or a MicroSpec window per slot
+                runner = SpecRunner(self.target, e.draft, vocab, e.tree, e.k_pre, e.k_ver, self.max_batch,
+                                    self.kv_memory)
             self._scheduler = Scheduler(runner, self.max_batch)
         return self._scheduler
 

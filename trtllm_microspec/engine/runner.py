@@ -9,6 +9,8 @@ pool's block 0 (never handed out).
 """
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from plugins.layers import KV_BLOCK
@@ -50,7 +52,9 @@ class BatchRunner:
         # one table row per batch slot, plus the padding slot (all block 0)
         self.table = torch.zeros(max_batch + 1, width, dtype=torch.long, device=dev)
         self.pad = max_batch
-        self.free_slots = list(range(max_batch - 1, -1, -1))
+        # a heap: a request takes the lowest free slot, so the running ones stay packed at the front (the
+        # batched MicroSpec draft head runs over slots 0 .. the highest one in use)
+        self.free_slots = list(range(max_batch))
         self.inp = torch.zeros(3, max_batch, dtype=torch.long, device=dev)  # rows: last token, n, batch slot
         self.next = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.one = causal(1, dev)[None]
@@ -68,14 +72,14 @@ class BatchRunner:
         return len(prompt) + max_new_tokens + self.reserve
 
     def join(self, req, blocks: list[int]) -> None:
-        req.slot = self.free_slots.pop()
+        req.slot = heapq.heappop(self.free_slots)
         row = torch.zeros(self.table.shape[1], dtype=torch.long)
         row[:len(blocks)] = torch.tensor(blocks)
         self.table[req.slot].copy_(row)
 
     def leave(self, req) -> None:
         if req.slot >= 0:
-            self.free_slots.append(req.slot)
+            heapq.heappush(self.free_slots, req.slot)
             req.slot = -1
 
     def prefill(self, req, chunk: int) -> list[int] | None:
@@ -121,11 +125,11 @@ class BatchRunner:
 
 class SpecRunner(BatchRunner):
     """Batched EAGLE-2 rounds (eagle, frspec, microspec): every request drafts its own tree through its own
-    draft vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. A
-    MicroSpec window (ring, counts, active ids, packed head rows) per batch slot, reset when a request joins.
-    First version: the rounds run eagerly (no CUDA graphs: the window objects differ per slot), the draft head
-    and the window update are called per request in a loop, and a prompt is prefilled in one piece (the draft's
-    prefill needs the token after each position)."""
+    draft vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. `vocab`
+    (vocab/batched.py) serves the whole batch at once: shared full/static rows, or a MicroSpec window (ring,
+    counts, active ids, packed head rows) per batch slot, reset when a request joins. The rounds run eagerly
+    (no CUDA graphs yet), and a prompt is prefilled in one piece (the draft's prefill needs the token after
+    each position)."""
 
     chunked = False
 
@@ -136,9 +140,7 @@ class SpecRunner(BatchRunner):
         self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
         dev = self.device
         self.dcache = KVCache(draft.cfg, 1, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
-        # vocab: one shared strategy object (full, static: no per-request state) or a factory of windows
-        self.shared = vocab if not callable(vocab) else None
-        self.vocabs = [vocab() if callable(vocab) else vocab for _ in range(max_batch)]
+        self.vocab = vocab
         self.h_last = torch.zeros(max_batch + 1, target.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
 
     def prefill(self, req, chunk: int) -> list[int]:
@@ -150,54 +152,49 @@ class SpecRunner(BatchRunner):
         span = Span(torch.zeros(1, dtype=torch.long, device=dev), causal(L, dev), L,
                     self.table[req.slot:req.slot + 1])
         h = t(ids, pos, pos, span, cache=self.cache)
-        first = t.logits(h[-1:])[0]
-        root = first.argmax().view(1)
-        vocab = self.vocabs[req.slot]
+        root = t.logits(h[-1:])[0].argmax().view(1)
         topk_pre = torch.cat([t.logits(h[i:i + PREFILL_CHUNK]).topk(self.k_pre, -1).indices.flatten()
                               for i in range(0, L, PREFILL_CHUNK)])
-        vocab.start(ids, topk_pre, first.topk(self.k_ver).indices)  # a window starts afresh: nothing of others
+        self.vocab.start(req.slot, ids, topk_pre)  # a window starts afresh: nothing of others
         dh = d.hidden(torch.cat([ids[1:], root]), h, pos, pos, span, cache=self.dcache)
         self.h_last[req.slot].copy_(dh[-1])
-        vocab.join()
+        self.vocab.join()
         req.prefilled = req.n = L
         req.last = int(root)
         return [req.last]
 
     def decode(self, reqs: list) -> list[list[int]]:
         """One draft / verify / update round for the batch."""
-        t, d, cfg, dev = self.target, self.draft, self.tree, self.device
+        t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.tree, self.device
         B, P = len(reqs), cfg.max_path
         slots = torch.tensor([r.slot for r in reqs], device=dev)
+        top = max(r.slot for r in reqs) + 1
         n = torch.tensor([r.n for r in reqs], device=dev)
         root = torch.tensor([r.last for r in reqs], device=dev)
         table = self.table.index_select(0, slots)
         S = max(r.n for r in reqs) + self.reserve
-        vocabs = [self.vocabs[r.slot] for r in reqs]
 
-        def heads(h, k):  # each request through its own vocabulary (packed rows): a loop over the batch
-            outs = [v.head(h[b], k) for b, v in enumerate(vocabs)]
-            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+        def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
+            return vocab.head(h, slots, top, k)
 
         tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
         hid, logits = verify(t, self.cache, tree, n, table, S)
         path, k, emitted = accept(tree, logits.argmax(-1), P)
         steps = torch.arange(P, device=dev)
         valid = steps[None, :] <= k[:, None]
-        size = torch.stack([v.size() for v in vocabs])
-        covered = torch.stack([(v.contains(emitted[b]) & valid[b]).sum() for b, v in enumerate(vocabs)])
+        size = vocab.size(slots)
+        covered = (vocab.contains(slots, emitted) & valid).sum(1)
         V = logits.shape[-1]
         ver = logits.gather(1, path[:, :, None].expand(B, P, V)).topk(self.k_ver, -1).indices
         ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
         self.cache.move(physical(table, n[:, None] + path).flatten(), physical(table, n[:, None] + steps).flatten())
-        for b, v in enumerate(vocabs):
-            v.update(tree.tokens[b, 1:], ver[b])  # the gathers run on the copy stream, behind the draft forward
+        vocab.update(slots, tree.tokens[:, 1:], ver)  # the gathers run on the copy stream, behind the draft forward
         pos = (n[:, None] + steps).flatten()
         hid_path = hid.gather(1, path[:, :, None].expand(B, P, hid.shape[-1])).flatten(0, 1)
         h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal(P, dev).expand(B, P, P), S, table),
                      cache=self.dcache).view(B, P, -1)
         self.h_last[slots] = h.gather(1, k[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]
-        for v in vocabs:
-            v.join()
+        vocab.join()
         rows = torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1).tolist()  # the one host read
         out = []
         for r, (kk, sz, cov, *em) in zip(reqs, rows):
