@@ -3,8 +3,9 @@
 Window ops (unique_first, window_update, gather_rows) must agree bit for bit with the reference run on CPU
 copies of the same inputs: outputs and the whole window state after every step. packed_head must agree up to
 ties: its log-probs equal the top-k of a float64 model within 1e-4, and each returned id carries the log-prob
-the model gives that id. The last check captures update + gather (copy stream) + head in a CUDA graph and
-replays it on fresh inputs. Prints a PASS/FAIL table; exit status 1 on any failure, 2 without a GPU or kernels.
+the model gives that id. One check captures update + gather (copy stream) + head in a CUDA graph and replays
+it on fresh inputs; the last runs the batched engine's windows (trtllm_microspec/vocab/batched.py: plain torch
+with the gather on the copy stream) on the GPU against the CPU. Prints a PASS/FAIL table; exit status 1 on any failure, 2 without a GPU or kernels.
 """
 from __future__ import annotations
 
@@ -250,9 +251,49 @@ def check_graph() -> str:
     return f"{replays} replays of one capture (copy stream + join), state, packed rows and head checked"
 
 
+def check_batch_window() -> str:
+    """trtllm_microspec's BatchWindow (the windows of a batch, plain torch, gathers on the copy stream) on the
+    GPU against the same on the CPU: the whole state and the active packed rows after every round; each request's
+    draft head (one bmm over the slots) against the float64 model of its own rows."""
+    from trtllm_microspec.vocab.batched import BatchWindow
+
+    g = torch.Generator().manual_seed(6)
+    V, W, d, k, T, slots, pinned = 50000, 512, 256, 10, 10, 8, [2, 49999]
+    head = exact_inputs(g, V, d)
+    cpu, gpu = BatchWindow(head, W, pinned, slots), BatchWindow(head.to(DEV), W, pinned, slots)
+    state = ("ring", "head_pos", "count", "slot_of", "id_of", "first")
+    joins = {0: [5, 0, 3], 7: [1, 6], 15: [0]}  # round -> slots whose request joins then (0 again at 15)
+    running, rounds = [], 30
+    for r in range(rounds):
+        for slot in joins.get(r, []):
+            prompt, topk = stream_ids(g, V, 300 + 500 * slot, 0.0), stream_ids(g, V, 3 * (300 + 500 * slot), 0.0)
+            cpu.start(slot, prompt, topk)
+            gpu.start(slot, prompt.to(DEV), topk.to(DEV))
+            gpu.join()  # as the runner's prefill does: the gather's inputs live until the copy stream is done
+            running = sorted(set(running) | {slot})
+        batch = torch.tensor(running)
+        tree, ver = stream_ids(g, V, 59 * len(running), 0.0), stream_ids(g, V, 18 * len(running), 0.5)
+        cpu.update(batch, tree.view(len(running), 59), ver.view(len(running), 18))
+        gpu.update(batch.to(DEV), tree.view(len(running), 59).to(DEV), ver.view(len(running), 18).to(DEV))
+        gpu.join()
+        errs = [diff(f"round {r}: {name}", getattr(gpu, name), getattr(cpu, name)) for name in state]
+        live = cpu.id_of[:, :cpu.R] >= 0
+        errs.append(diff(f"round {r}: packed rows", gpu.packed[:, :cpu.R][live.to(DEV)], cpu.packed[:, :cpu.R][live]))
+        hidden = exact_inputs(g, len(running), T, d)
+        logp, ids = gpu.head(hidden.to(DEV), batch.to(DEV), max(running) + 1, k)
+        for b, slot in enumerate(running):
+            id_of = cpu.id_of[slot, :cpu.R]
+            err = head_error(logp[b], ids[b], model_logp(hidden[b], cpu.packed[slot, :cpu.R], id_of), id_of, k)
+            errs.append(err and f"round {r}: slot {slot}: head: {err}")
+        if any(errs):
+            raise AssertionError(next(e for e in errs if e))
+    return f"{slots} slots, {rounds} rounds with joins and a rejoin, state, packed rows and bmm head checked"
+
+
 CHECKS = [("unique_first", check_unique_first), ("window_update", check_window_update),
           ("gather_rows", check_gather_rows), ("packed_head, exact inputs", check_packed_head_exact),
-          ("packed_head vs reference, random", check_packed_head_random), ("CUDA graph replay", check_graph)]
+          ("packed_head vs reference, random", check_packed_head_random), ("CUDA graph replay", check_graph),
+          ("batched window", check_batch_window)]
 
 
 def main() -> int:

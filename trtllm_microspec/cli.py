@@ -209,9 +209,15 @@ serve:        microspec serve               (Triton Inference Server: gRPC strea
 `microspec COMMAND --help` explains each command; bad input ends with one line `microspec: error: ...`, exit 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """Bad arguments get one line, like every other error of the command (argparse prints its usage too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"microspec: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="microspec", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="microspec", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("models", help="list or fetch the real models")
