@@ -103,6 +103,7 @@ def test_questions():
 @pytest.mark.parametrize("args", [["--categories", "nope"], ["--methods", "ar,nope"], ["--data", "/nonexistent"],
                                   ["--concurrency", "2", "--methods", "ar,hf"],
                                   ["--concurrency", "2", "--methods", "ar,naive"], ["--concurrency", "0"],
+                                  ["--concurrency", "2,x"],
                                   ["--concurrency", "2", "--temperature", "0.7"]])
 def test_bad_input(args, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -117,16 +118,18 @@ def test_percentiles_on_fixed_numbers():
 
 
 def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
-    """--concurrency 2: the first turns of 3 questions through the batched engine, 2 in flight, per method."""
+    """--concurrency 1,2: the first turns of 2 questions through the batched engine, 1 then 2 in flight, per method."""
     log = io.StringIO()
     with contextlib.redirect_stderr(log):
         main(["bench", "--engine", str(engine_dir), "--draft", str(random_draft_dir), "--device", "cpu",
               "--categories", "translation,code", "--limit", "1", "--max-new-tokens", "8", "--warmup", "1",
-              "--methods", "ar,microspec", "--depth", "2", "--total-tokens", "8", "--concurrency", "2",
+              "--methods", "ar,microspec", "--depth", "2", "--total-tokens", "8", "--concurrency", "1,2",
               "--out", str(tmp_path)])
     res = json.loads((tmp_path / "results.json").read_text())
     for name in ("ar", "microspec"):
-        b = res["runs"][name]["batched"]
+        one, b = res["runs"][name]["batched"]
+        assert one["concurrency"] == 1 and one["requests"] == 2
+        assert [r["new_tokens"] for r in one["per_request"]] == [r["new_tokens"] for r in b["per_request"]]
         assert b["concurrency"] == 2 and b["requests"] == 2 and b["requests_per_s"] > 0 and b["output_tokens_per_s"] > 0
         # the batch decodes what the one-at-a-time run decoded for each first turn
         alone = {t["qid"]: t["new_tokens"] for t in res["runs"][name]["turns"] if t["turn"] == 0}
@@ -140,10 +143,12 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
         assert b["output_tokens_per_s"] == pytest.approx(sum(alone.values()) / b["wall_s"])
         assert f"[bench] {name}: 2 first turns at concurrency 2: " in log.getvalue()
     md = (tmp_path / "results.md").read_text()
-    assert "## in-flight batching at concurrency 2" in md and "(wall - TTFT) / (tokens - 1)" in md
+    assert "## in-flight batching" in md and "(wall - TTFT) / (tokens - 1)" in md
     table = md.split("## in-flight batching")[1].split("\n\n")[2].splitlines()
-    assert [r.split(" | ")[:2] for r in table[2:]] == [["| ar", "2"], ["| microspec", "2"]]
-    assert all(len(r.split("|")) == 12 and " - " not in r for r in table)
+    assert [r.split(" | ")[:2] for r in table[2:]] == [["| ar", "1"], ["| ar", "2"], ["| microspec", "1"],
+                                                      ["| microspec", "2"]]
+    assert (tmp_path / "throughput_latency.png").exists()
+    assert all(len(r.split("|")) == 13 and " - " not in r for r in table)
 
 
 # ---- outside references: hf-compiled on the CPU, the conversions vLLM loads (vLLM itself runs on the GPU only)

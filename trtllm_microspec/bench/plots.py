@@ -1,5 +1,6 @@
 """The paper's figures from a bench result: Fig. 6 (speed and acceptance length against W_max) and Fig. 1b
-(coverage against draft vocabulary size: static top-K curves vs MicroSpec points)."""
+(coverage against draft vocabulary size: static top-K curves vs MicroSpec points); with --concurrency, throughput
+against latency per method over the concurrency levels."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +23,29 @@ def plot_all(res: dict, out: Path) -> list[str]:
         fig1b(res, micro, out / "fig1b_coverage.png")
     else:
         notes.append("no fig1b_coverage.png: neither static coverage nor a microspec run")
+    batched = {n: r["batched"] for n, r in res["runs"].items() if r.get("batched")}
+    if batched:
+        throughput_latency(batched, out / "throughput_latency.png")
     return notes
+
+
+def throughput_latency(batched: dict[str, list[dict]], path: Path) -> None:
+    """Output tokens/s against mean request latency, one line per method through its concurrency levels."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, levels in batched.items():
+        lat = [sum(r["wall_s"] for r in b["per_request"]) / b["requests"] for b in levels]
+        ax.plot(lat, [b["output_tokens_per_s"] for b in levels], "o-", label=name)
+        for x, b in zip(lat, levels):
+            ax.annotate(str(b["concurrency"]), (x, b["output_tokens_per_s"]), fontsize=7)
+    ax.set_xlabel("mean request latency (s)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs latency over concurrency (labels)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def fig6(micro: list[dict], path: Path) -> None:

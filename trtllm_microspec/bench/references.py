@@ -42,7 +42,7 @@ def make_reference(method: str, a):
     if method == HF_COMPILED:
         return HFCompiled(a.engine, a.device, a.dtype, a.max_seq_len)
     return VLLMReference(a.engine, a.device, a.dtype, a.max_seq_len, eagle=method == VLLM_EAGLE, draft=a.draft,
-                         depth=a.depth)
+                         depth=a.depth, max_num_seqs=max(a.concurrency or [32]))
 
 
 def hf_config(engine_dir: Path) -> dict:
@@ -225,12 +225,13 @@ def eagle_to_vllm(draft_dir: Path, engine_dir: Path, out: Path) -> Path:
 
 
 class VLLMReference:
-    """vLLM's offline LLM, one request at a time (batch 1), greedy, on the same chat-templated token ids; with
-    `eagle`, vLLM's EAGLE (a chain of `depth` tokens) with our head (`draft`, default <engine>/eagle). The converted
-    model lives in a temporary directory for the life of this object."""
+    """vLLM's offline LLM, greedy, on the same chat-templated token ids: one request at a time (batch 1), or a list
+    of prompts all at once (bench --concurrency); with `eagle`, vLLM's EAGLE (a chain of `depth` tokens) with our
+    head (`draft`, default <engine>/eagle). The converted model lives in a temporary directory for the life of this
+    object."""
 
     def __init__(self, engine: str, device: str | None, dtype: str | None, max_seq_len: int | None,
-                 eagle: bool = False, draft: str | None = None, depth: int = 5):
+                 eagle: bool = False, draft: str | None = None, depth: int = 5, max_num_seqs: int = 32):
         require_vllm()
         from ..engine.loader import pick_device, read_config
         from ..llm import resolve_engine
@@ -256,19 +257,22 @@ class VLLMReference:
         from vllm.inputs import TokensPrompt
 
         self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
-        # the settings of the vLLM figures in shared/GPU.md; requests still go one at a time
         self.llm = LLM(**kw, skip_tokenizer_init=True, dtype=str(dt).removeprefix("torch."), max_model_len=self.max_len,
-                       gpu_memory_utilization=0.35, max_num_seqs=32, seed=0, enable_prefix_caching=False)
+                       gpu_memory_utilization=0.35, max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
 
     def generate(self, prompt, max_new_tokens: int, chat: bool = True):
-        ids = self.tokenizer.prompt_ids(prompt, chat)
-        if len(ids) >= self.max_len:
-            raise UserError(f"the prompt has {len(ids)} tokens; vllm's context holds {self.max_len}")
-        sp = self.SamplingParams(temperature=0.0, max_tokens=min(max_new_tokens, self.max_len - len(ids)),
-                                 stop_token_ids=self.eos_ids, detokenize=False)
+        """One prompt -> its Result; a list of prompts -> their Results, submitted at once (each one's wall_s is the
+        whole batch's: vLLM's offline API returns them together)."""
+        many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict)
+        ids = [self.tokenizer.prompt_ids(p, chat) for p in (prompt if many else [prompt])]
+        if max(map(len, ids)) >= self.max_len:
+            raise UserError(f"a prompt has {max(map(len, ids))} tokens; vllm's context holds {self.max_len}")
+        sp = [self.SamplingParams(temperature=0.0, max_tokens=min(max_new_tokens, self.max_len - len(i)),
+                                  stop_token_ids=self.eos_ids, detokenize=False) for i in ids]
         t0 = time.perf_counter()
-        out = self.llm.generate([self.TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
-        return _result(self.tokenizer, list(out[0].outputs[0].token_ids), self.method, t0)
+        out = self.llm.generate([self.TokensPrompt(prompt_token_ids=i) for i in ids], sp, use_tqdm=False)
+        results = [_result(self.tokenizer, list(o.outputs[0].token_ids), self.method, t0) for o in out]
+        return results if many else results[0]
 
     def close(self) -> None:
         """vLLM keeps its distributed state and GPU memory per process: free them before another engine starts."""

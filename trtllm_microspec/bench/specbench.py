@@ -85,7 +85,7 @@ def make_model(a, run: dict):
         return make_reference(run["method"], a)
     from ..cli import llm_from_args
 
-    batch = {"max_batch": a.concurrency} if a.concurrency else {}  # else the LLM's default
+    batch = {"max_batch": max(a.concurrency)} if a.concurrency else {}  # else the LLM's default
     return llm_from_args(argparse.Namespace(**{**vars(a), "w_max": run["w_max"], "static_k": run["static_k"], **batch}),
                          method=run["method"])
 
@@ -122,30 +122,38 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
     return records, ids
 
 
-def run_batched(model, questions: list[dict], a, label: str) -> dict:
-    """--concurrency: every question's first turn submitted at once to the batched engine (max_batch = concurrency,
-    the rest join as others finish): throughput and per-request latency."""
+def run_batched(model, questions: list[dict], a, label: str) -> list[dict]:
+    """--concurrency: every question's first turn submitted at once to the batched engine, at most `c` in flight
+    for each c of the list (the rest join as others finish): throughput and per-request latency per level. An
+    outside reference (vLLM) takes them all at once, at its own max_num_seqs (the largest c)."""
     prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
-    if a.warmup:  # the batched engine has its own kernels, graphs and KV pool, not touched by the warm-up above
-        model.generate(prompts[:a.concurrency], min(a.max_new_tokens, WARMUP_TOKENS), chat=True)
-    results, wall = timed(model, prompts, a.max_new_tokens, model.device.type == "cuda", {})
-    per_request = [{"qid": q["qid"], **{k: r.stats[k] for k in ("new_tokens", "ttft_s", "wall_s")}}
-                   for q, r in zip(questions, results)]
-    s = batch_summary(per_request, wall, a.concurrency)
-    log(f"{label}: {len(prompts)} first turns at concurrency {a.concurrency}: {s['requests_per_s']:.2f} req/s, "
-        f"{s['output_tokens_per_s']:.1f} output tok/s")
-    return s
+    levels = a.concurrency if hasattr(model, "scheduler") else [max(a.concurrency)]
+    out = []
+    for c in levels:
+        if hasattr(model, "scheduler"):
+            model.scheduler().max_batch = c  # the runner is sized for the largest level
+        if a.warmup:  # the batched engine's kernels, graphs (per batch bucket) and KV pool are its own
+            model.generate(prompts[:c], min(a.max_new_tokens, WARMUP_TOKENS), chat=True)
+        results, wall = timed(model, prompts, a.max_new_tokens, model.device.type == "cuda", {})
+        per_request = [{"qid": q["qid"], **{k: r.stats.get(k) for k in ("new_tokens", "ttft_s", "wall_s")}}
+                       for q, r in zip(questions, results)]
+        s = batch_summary(per_request, wall, c)
+        log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
+            f"{s['output_tokens_per_s']:.1f} output tok/s")
+        out.append(s)
+    return out
 
 
 def batch_summary(per_request: list[dict], wall: float, concurrency: int) -> dict:
     """The engine records no per-token times, so a request's inter-token latency is its mean over the decode:
-    (wall - TTFT) / (tokens - 1); a request of one token has none."""
+    (wall - TTFT) / (tokens - 1); a request of one token has none, nor has one without a TTFT (vLLM's)."""
     tokens = sum(r["new_tokens"] for r in per_request)
+    timed_ = [r for r in per_request if r["ttft_s"] is not None]
     return {"concurrency": concurrency, "requests": len(per_request), "wall_s": wall,
             "requests_per_s": len(per_request) / wall, "output_tokens_per_s": tokens / wall,
-            "ttft_s": percentiles([r["ttft_s"] for r in per_request]),
+            "ttft_s": percentiles([r["ttft_s"] for r in timed_]),
             "itl_s": percentiles([(r["wall_s"] - r["ttft_s"]) / (r["new_tokens"] - 1)
-                                  for r in per_request if r["new_tokens"] > 1]),
+                                  for r in timed_ if r["new_tokens"] > 1]),
             "latency_s": percentiles([r["wall_s"] for r in per_request]), "per_request": per_request}
 
 
@@ -231,15 +239,16 @@ def markdown(res: dict) -> str:
     batched = {n: r["batched"] for n, r in runs.items() if r.get("batched")}
     if batched:
         ms = lambda p: " | ".join(_fmt(p[k] and p[k] * 1e3, ".1f") for k in ("p50", "p90", "p99"))
-        lines += ["", f"## in-flight batching at concurrency {res['config']['concurrency']} (first turns, all at once)",
-                  "",
+        lines += ["", "## in-flight batching (first turns, all submitted at once, at most `concurrency` in flight)", "",
                   ("TTFT counts from submission (queueing included). The engine records no per-token times: "
                    "inter-token latency (ITL) is per request (wall - TTFT) / (tokens - 1), its mean over the decode "
-                   "(a speculative round emits several tokens at once)."), "",
-                  "| method | requests | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | p99 (ms) |",
-                  "|---" * 10 + "|"]
-        lines += [f"| {n} | {b['requests']} | {b['requests_per_s']:.2f} | {b['output_tokens_per_s']:.1f} | "
-                  f"{ms(b['ttft_s'])} | {ms(b['itl_s'])} |" for n, b in batched.items()]
+                   "(a speculative round emits several tokens at once). vLLM takes every request at once (its "
+                   "max_num_seqs = the largest concurrency) and reports no per-request times here."), "",
+                  "| method | concurrency | requests | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | "
+                  "p99 (ms) |", "|---" * 11 + "|"]
+        lines += [f"| {n} | {b['concurrency']} | {b['requests']} | {b['requests_per_s']:.2f} | "
+                  f"{b['output_tokens_per_s']:.1f} | {ms(b['ttft_s'])} | {ms(b['itl_s'])} |"
+                  for n, levels in batched.items() for b in levels]
     cov = res.get("static_coverage")
     if cov:
         cats = [c for c in cols if c in cov]
@@ -281,11 +290,12 @@ def cmd_bench(a) -> None:
     if a.concurrency is not None:
         from ..llm import BATCHED
 
-        unbatched = [m for m in a.methods if m not in BATCHED]
-        if a.concurrency < 1:
-            raise UserError("--concurrency must be at least 1")
+        unbatched = [m for m in a.methods if m not in BATCHED + (VLLM, VLLM_EAGLE)]
+        if not a.concurrency or min(a.concurrency) < 1:
+            raise UserError("--concurrency must be a comma list of numbers of at least 1")
         if unbatched:
-            raise UserError(f"--concurrency runs the batched engine, which runs {', '.join(BATCHED)}, not "
+            raise UserError(f"--concurrency runs the batched engine, which runs {', '.join(BATCHED)} (and vLLM "
+                            f"batches), not "
                             f"{', '.join(unbatched)}")
         if sampling or a.tp > 1:
             raise UserError("--concurrency runs the batched engine: greedy and on one device (no --temperature, --tp)")
@@ -387,8 +397,9 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method")
     p.add_argument("--frspec-k", type=_ints, default=[], help="FR-Spec sweep: comma list of vocabulary sizes")
     p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6)")
-    p.add_argument("--concurrency", type=int, help="also decode every question's first turn through the batched "
-                   "engine, this many at once: throughput, TTFT and inter-token latency")
+    p.add_argument("--concurrency", type=_ints, help="also decode every question's first turn through the batched "
+                   "engine, at most this many at once (a comma list: one measurement per level): throughput, TTFT "
+                   "and inter-token latency")
     p.add_argument("--data", help="data directory (default: MICROSPEC_DATA or <repo>/../shared/data)")
     p.add_argument("--out", default="bench_out", help="directory for results.json, results.md and the plots")
     p.set_defaults(func=cmd_bench)
