@@ -150,7 +150,7 @@ def test_build_scripts_are_the_cli(script, argv, tmp_path):
     assert_user_error((r.returncode, r.stdout, r.stderr))
 
 
-# Every numeric knob of add_llm_args, out of range: (flag, value, what the one-line error must say). The checks run
+# Every numeric knob of add_llm_args and add_batch_args, out of range: (flag, value, what the one-line error must say). The checks run
 # before any weights load, in generate as in serve (where they run before tritonserver starts).
 BAD_KNOBS = [
     ("--w-max", 0, "w_max must be between 10 and 49152"),
@@ -172,6 +172,8 @@ BAD_KNOBS = [
     ("--max-seq-len", -5, "max_seq_len must be at least 1, got -5"),
     ("--tp", 0, "tp must be at least 1, got 0"),
     ("--tp-timeout", 0, "tp_timeout must be positive, got 0.0"),
+    ("--max-batch", 0, "max_batch must be at least 1, got 0"),
+    ("--kv-memory", 0, "kv_memory must be positive (a fraction of free GPU memory, or GiB), got 0.0"),
     ("--temperature", -1, "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     ("--temperature", "nan", "temperature must be a finite number >= 0"),
     ("--top-p", 0, "top_p must be in (0, 1], got 0.0"),

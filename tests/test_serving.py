@@ -1,5 +1,6 @@
 """The real tritonserver (nvidia-pytriton wheel) serving MicroSpec on the CPU: outputs equal the offline executor's,
-streaming and not, under concurrency; bad requests get clear errors; cancellation and shutdown never wedge it."""
+streaming and not, batched under concurrency; bad requests get clear errors; cancellation and shutdown never wedge
+it and give the batch's blocks back (the metrics port says so)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -115,23 +117,65 @@ def test_outputs_equal_offline(server, offline, stream):
         assert len(got.pieces) > 1 if stream else len(got.pieces) == 1
 
 
-def test_eight_concurrent_streaming_clients(server, offline):
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
-    results: dict[int, object] = {}
+def concurrently(calls: list) -> list:
+    """Runs the calls at once, each on its own thread: their results, or the exception each raised."""
+    results: list = [None] * len(calls)
 
     def run(i: int):
         try:
-            results[i] = client.generate(server.grpc_url, prompts[i], 12, stream=True, timeout=300)
-        except Exception as e:  # recorded, so the assertion below names it
+            results[i] = calls[i]()
+        except Exception as e:  # recorded, so the assertion names it
             results[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
-    assert [getattr(results.get(i), "text", results.get(i)) for i in range(8)] == \
-        [offline(p, 12).text for p in prompts]
+    return results
+
+
+def gauges(server) -> dict[str, float]:
+    """The model's batch metrics on Triton's metrics port (one instance)."""
+    url = f"http://{server.host}:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("microspec_")}
+
+
+def wait_idle(server, timeout: float = 30) -> dict[str, float]:
+    """The gauges once nothing runs (the loop clears a finished batch one step after the last response)."""
+    deadline = time.monotonic() + timeout
+    while (g := gauges(server))["microspec_running_requests"] or g["microspec_kv_blocks_used"]:
+        assert time.monotonic() < deadline, g
+        time.sleep(0.1)
+    return g
+
+
+def test_sixteen_concurrent_streams(server, offline):
+    """16 greedy streams decode together in the running batch (different prompts and budgets, joining as they
+    arrive): each gets exactly the text it gets alone."""
+    cases = [(PROMPTS[i % len(PROMPTS)], 12 if i < 8 else 6) for i in range(16)]
+    results = concurrently([lambda p=p, m=m: client.generate(server.grpc_url, p, m, stream=True, timeout=300)
+                            for p, m in cases])
+    assert [getattr(r, "text", r) for r in results] == [offline(p, m).text for p, m in cases]
+    g = wait_idle(server)
+    assert g["microspec_waiting_requests"] == 0 and g["microspec_kv_blocks_total"] > 0
+
+
+def test_bad_and_sampled_requests_among_running_ones(server, offline):
+    """While greedy streams run: a request the batch can never hold (its prompt + max_tokens over max_seq_len) gets
+    its one-line error and the others finish; a sampling request runs between the batch's steps and gets the text of
+    its seed alone."""
+    sampling = {"temperature": 1.5, "top_p": 0.875, "top_k": 40, "random_seed": 7}
+    want_sampled = offline.llm.generate(PROMPTS[3], MAX_TOKENS, temperature=1.5, top_p=0.875, top_k=40, seed=7).text
+    calls = [lambda p=p: client.generate(server.grpc_url, p, MAX_TOKENS, stream=True, timeout=300) for p in PROMPTS]
+    calls += [lambda: client.generate(server.grpc_url, PROMPTS[0], MAX_SEQ_LEN, timeout=300),
+              lambda: client.generate(server.grpc_url, PROMPTS[3], MAX_TOKENS, sampling=sampling, timeout=300)]
+    *greedy, bad, sampled = concurrently(calls)
+    assert [getattr(r, "text", r) for r in greedy] == [offline(p).text for p in PROMPTS]
+    assert isinstance(bad, client.RequestError) and "cache slots" in str(bad) and "\n" not in str(bad)
+    assert getattr(sampled, "text", sampled) == want_sampled
 
 
 def test_stop_words_and_end_id(server, offline):
@@ -150,6 +194,8 @@ def test_stop_words_and_end_id(server, offline):
     ("w_max", "0", "w_max must be between 8 and 49152"),
     ("depth", "two", "config.pbtxt parameter depth must be an integer, got 'two'"),
     ("max_queue_size", "0", "max_queue_size must be at least 1, got 0"),
+    ("max_batch", "0", "max_batch must be at least 1, got 0"),
+    ("kv_memory", "lots", "config.pbtxt parameter kv_memory must be a number, got 'lots'"),
 ])
 def test_bad_config_parameter_is_a_clear_error(args, tmp_path, param, value, message):
     """A hand-written repository (`serve --model-repository`) is checked by the model itself as it loads."""
@@ -262,17 +308,21 @@ def test_abandoned_stream_frees_the_model(server, offline, how):
     if how == "cancel":
         gen = client.stream(server.grpc_url, LONG_PROMPT, LONG)
         next(gen), next(gen)
+        running = gauges(server)
         gen.close()  # cancels the request on the server
     else:
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_THEN_KILLED, server.grpc_url], stdout=subprocess.PIPE)
         proc.stdout.readline(), proc.stdout.readline()
+        running = gauges(server)
         proc.kill()  # the client dies mid-stream: its connection drops
         proc.wait()
+    assert running["microspec_running_requests"] == 1 and running["microspec_kv_blocks_used"] > 0
     got = client.generate(server.grpc_url, PROMPTS[2], MAX_TOKENS, timeout=300)
     assert got.text == offline(PROMPTS[2]).text
     # had the abandoned request run on, this one would have waited for ~LONG more tokens before its first
     per_token = (got.latency_s - got.ttft_s) / (got.stats["num_output_tokens"] - 1)
     assert got.ttft_s < LONG / 3 * per_token
+    wait_idle(server)  # and its blocks went back
 
 
 def test_serve_stops_on_sigterm_with_a_request_in_flight(engine_dir, random_draft_dir):

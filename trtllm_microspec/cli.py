@@ -56,6 +56,14 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    "collective before it ends with an error (a rank that died or hangs)")
 
 
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """The batched engine's knobs (generate --prompts-file, serve's greedy requests)."""
+    p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (generate: with "
+                   "--prompts-file; serve: greedy requests); the others wait for a place")
+    p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
+                   "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, the AR output exactly; above 0: "
                    "sample, with the output distributed as AR sampling's")
@@ -247,10 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--prompts-file", help="a file of prompts, one per line (or a JSON list of strings): decoded "
                      "together as one batch")
-    g.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: most requests decoded together; "
-                   "the others wait for a place")
-    g.add_argument("--kv-memory", type=float, help="with --prompts-file: the KV-cache pool the batch shares, a "
-                   "fraction of free GPU memory when <= 1, else GiB (CPU: GiB; default 0.5)")
+    add_batch_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (fewer when the model "
                    "ends its answer)")

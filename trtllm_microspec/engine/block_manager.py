@@ -19,8 +19,6 @@ GIB = 1 << 30
 
 def pool_blocks(kv_memory: float, bytes_per_block: int, device: torch.device) -> int:
     """How many blocks the budget holds."""
-    if kv_memory <= 0:
-        raise UserError(f"kv_memory must be positive (a fraction of free GPU memory, or GiB), got {kv_memory}")
     if device.type == "cuda" and kv_memory <= 1:
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * kv_memory

@@ -43,7 +43,7 @@ from trtllm_microspec.serving.triton_model import TritonPythonModel  # noqa: E40
 
 CONFIG = """name: "{name}"
 backend: "python"
-max_batch_size: 0  # no batching: the engine serves one request at a time, the model queues the rest
+max_batch_size: 0  # Triton does not batch: the model feeds every request into its own running batch
 model_transaction_policy {{ decoupled: true }}  # several responses per request: streaming over gRPC
 
 input [
@@ -76,8 +76,9 @@ def model_params(a: argparse.Namespace) -> dict[str, str]:
             "device": a.device or "", "w_max": str(a.w_max), "k_pre": str(a.k_pre), "k_ver": str(a.k_ver),
             "static_k": str(a.static_k), "depth": str(a.depth), "top_k": str(a.top_k),
             "total_tokens": str(a.total_tokens), "max_seq_len": str(a.max_seq_len or ""), "dtype": a.dtype or "",
-            "cuda_graphs": str(not a.eager).lower(), "max_queue_size": str(a.max_queue_size), "tp": str(a.tp),
-            "tp_timeout": str(a.tp_timeout)}
+            "cuda_graphs": str(not a.eager).lower(), "max_batch": str(a.max_batch),
+            "kv_memory": "" if a.kv_memory is None else str(a.kv_memory), "max_queue_size": str(a.max_queue_size),
+            "tp": str(a.tp), "tp_timeout": str(a.tp_timeout)}
 
 
 def check_queue_size(n: int) -> None:
@@ -294,7 +295,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
             a.engine = resolve_engine(a.engine).resolve()  # builds a model key's engine here, not in the stub
             # bad knobs fail here in one line, not later as a model that will not load inside the server
             check_knobs(read_config(a.engine).vocab_size, a.w_max, a.k_pre, a.k_ver, a.static_k, a.depth, a.top_k,
-                        a.total_tokens, a.max_seq_len, a.tp, a.tp_timeout)
+                        a.total_tokens, a.max_seq_len, a.tp, a.tp_timeout, a.max_batch, a.kv_memory)
             check_queue_size(a.max_queue_size)
             draft = Path(a.draft) if a.draft else a.engine / DRAFT_SUBDIR
             if a.method != "ar" and not draft.exists():
@@ -337,17 +338,19 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
 
 def register(sub) -> None:
-    from ..cli import add_llm_args
+    from ..cli import add_batch_args, add_llm_args
 
     p = sub.add_parser("serve", help="serve MicroSpec through a real Triton Inference Server (gRPC streaming, HTTP "
                        "generate)")
     add_llm_args(p)
+    add_batch_args(p)
     p.set_defaults(method="microspec", func=cmd_serve)
     p.add_argument("--model-repository", help="serve this repository as it is (e.g. triton_repo) instead of "
                    "writing one from the options above")
     p.add_argument("--instance-kind", choices=["cpu", "gpu"], help="Triton instance kind (default: gpu for a cuda "
                    "device, else cpu); a gpu instance runs on the device Triton gives it")
-    p.add_argument("--max-queue-size", type=int, default=64, help="requests waiting beyond this are refused")
+    p.add_argument("--max-queue-size", type=int, default=64, help="most requests waiting behind the running "
+                   "ones; more are refused")
     p.add_argument("--gpus", help="GPU ids, e.g. 0,1: one engine instance on each (data parallel: concurrent "
                    "requests spread over them); default: one instance")
     p.add_argument("--host", default="127.0.0.1", help="address the endpoints listen on")

@@ -1,25 +1,32 @@
 """The Triton Python-backend model: MicroSpec behind `text_input` -> streamed `text_output`.
 
 Runs inside Triton's Python stub (`triton_repo/microspec/1/model.py` re-exports `TritonPythonModel`). The model is
-decoupled: `execute` only validates requests (bad ones get an error response at once) and queues them; one worker
-thread runs them in order, because the LLM holds static KV caches and serves one request at a time. Streaming
-requests get one response per text piece, then a final one with the statistics; non-streaming ones get a single
-response with the whole text and the statistics.
+decoupled: `execute` only validates requests (bad ones get an error response at once) and hands them to one engine
+loop thread, the only thread that touches the model. Greedy requests join the running batch of the batched engine
+(in-flight batching over the paged KV pool, `LLM.scheduler()`); sampling requests, and every request of a method the
+batched engine does not run or under --tp, go one at a time through the single-request executor, one step of it
+between two steps of the batch, so neither waits for the other to finish. Streaming requests get one response per
+text piece, then a final one with the statistics; non-streaming ones get a single response with the whole text and
+the statistics.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .. import parallel
-from ..llm import LLM
+from ..engine.loader import one_line
+from ..engine.scheduler import Request
+from ..engine.stats import Stats
+from ..llm import BATCHED, LLM
 from ..models.registry import UserError
 from ..spec.sampling import SamplingParams
 from . import tp as tp_serving
@@ -27,27 +34,30 @@ from .server import STOP_FILE_ENV, check_queue_size
 
 # SamplingParams field -> the optional request input that sets it (TensorRT-LLM's names); none given: greedy
 SAMPLING_INPUTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "random_seed"}
+# config.pbtxt parameters that are numbers (the rest are strings); left out or empty: the LLM's default
+NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "static_k": int, "depth": int, "top_k": int,
+           "total_tokens": int, "max_seq_len": int, "max_batch": int, "kv_memory": float, "tp": int,
+           "tp_timeout": float, "max_queue_size": int, "tp_port": int}
+# the batch's state on Triton's metrics port (gauges per model instance)
+METRICS = {"microspec_running_requests": "requests decoding now (the batch, and the sampling request in turn)",
+           "microspec_waiting_requests": "requests accepted and waiting for a place in the batch or their turn",
+           "microspec_kv_blocks_used": "KV-cache blocks held by the batch's requests",
+           "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)"}
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     sender: object  # the request's response sender: requests themselves may not outlive `execute`
-    prompt: str
+    prompt_ids: list[int]
     max_tokens: int
     stream: bool
-    chat: bool
     end_id: int | None
     stop_words: list[str]
-    prompt_tokens: int
-    sampling: dict  # LLM.generate's sampling keywords
-
-
-class Shutdown(Exception):
-    pass
-
-
-class Cancelled(Exception):
-    pass
+    sampling: SamplingParams
+    req: Request | None = None  # in the batched engine
+    steps: Generator | None = None  # on the single-request path: the executor's steps
+    ids: list[int] = field(default_factory=list)  # generated so far
+    text: str = ""  # the output so far (cut at a stop word or end_id); streamed: what was sent
 
 
 def _input(request, name: str):
@@ -65,15 +75,16 @@ def _decode(b: bytes, name: str) -> str:
         raise UserError(f"{name} is not valid UTF-8: {e}") from None
 
 
-def _int_params(p: dict[str, str], names: tuple[str, ...]) -> dict[str, int]:
-    """The config.pbtxt parameters `names` as integers; left out or empty ones are left to the defaults."""
+def _numbers(p: dict[str, str]) -> dict[str, int | float]:
+    """The numeric config.pbtxt parameters that are set."""
     out = {}
-    for k in names:
+    for k, kind in NUMBERS.items():
         if p.get(k):
             try:
-                out[k] = int(p[k])
+                out[k] = kind(p[k])
             except ValueError:
-                raise UserError(f"config.pbtxt parameter {k} must be an integer, got {p[k]!r}") from None
+                what = "an integer" if kind is int else "a number"
+                raise UserError(f"config.pbtxt parameter {k} must be {what}, got {p[k]!r}") from None
     return out
 
 
@@ -92,8 +103,35 @@ def _error(message: str, code: str = "INVALID_ARG"):
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
 
 
+def _shutdown():
+    return _error("the server is shutting down", "UNAVAILABLE")
+
+
 def _send(sender, response=None, final: bool = False) -> None:
-    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+    try:
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+    except Exception:
+        pass  # the client is gone: the loop's cancellation check ends its request
+
+
+class Gauges:
+    """METRICS on Triton's metrics port (the Python backend's custom metrics), set when a value changes."""
+
+    def __init__(self, labels: dict[str, str]):
+        self.families = [pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
+                         for name, text in METRICS.items()]
+        self.metrics = [f.Metric(labels=labels) for f in self.families]
+        self.values: tuple = ()
+
+    def set(self, *values: int) -> None:
+        if values != self.values:
+            for m, v in zip(self.metrics, values):
+                m.set(v)
+            self.values = values
+
+    def close(self) -> None:
+        self.metrics.clear()  # a metric must go before its family
+        self.families.clear()
 
 
 class TritonPythonModel:
@@ -103,73 +141,88 @@ class TritonPythonModel:
         device = p.get("device") or None
         if args["model_instance_kind"] == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
-        ints = _int_params(p, ("w_max", "k_pre", "k_ver", "static_k", "depth", "top_k", "total_tokens", "max_seq_len",
-                               "max_queue_size", "tp", "tp_port"))
-        max_queue_size = ints.pop("max_queue_size", 64)
-        check_queue_size(max_queue_size)  # LLM checks the others
-        tp_port = ints.pop("tp_port", None)
+        knobs = _numbers(p)
+        self.max_queue_size = knobs.pop("max_queue_size", 64)
+        check_queue_size(self.max_queue_size)  # LLM checks the others
+        tp_port = knobs.pop("tp_port", None)
         kwargs = dict(engine=p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
-                      device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false", **ints)
-        self.tp = ints.get("tp", 1)
+                      device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false",
+                      **knobs)
+        self.tp = knobs.get("tp", 1)
         if self.tp > 1:  # rank 0 of `microspec serve --tp`: its followers run every step with it (serving/tp.py)
             if tp_port is None:
                 raise UserError("tp > 1 needs the tp_port of the group's store: start it with `microspec serve --tp`")
-            kwargs["tp_timeout"] = float(p.get("tp_timeout") or parallel.DEFAULT_TIMEOUT_S)
+            kwargs.setdefault("tp_timeout", parallel.DEFAULT_TIMEOUT_S)
             tp_serving.join(self.tp, 0, tp_port, device, kwargs["tp_timeout"])
             self.llm = tp_serving.lead(LLM, kwargs)
         else:
             self.llm = LLM(**kwargs)
-        # one short generation before the model reports ready: kernel loading and the CUDA-graph capture of the first
-        # KV bucket are paid here, not by the first client (on the H200 its first token took 0.79 s without this)
-        self.llm.generate("Hello", 16)
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue_size)
+        # greedy requests join the batched engine where it runs the method (one device; under --tp the followers
+        # replay the single-request executor only)
+        self.sched = self.llm.scheduler() if self.llm.method in BATCHED and self.tp == 1 else None
+        # one short generation before the model reports ready, through the path greedy requests take: kernel
+        # loading and the first CUDA-graph captures are paid here, not by the first client (on the H200 its first
+        # token took 0.79 s without this)
+        self.llm.generate(["Hello"] if self.sched else "Hello", 16)
+        self.capacity = self.llm.max_batch if self.sched else 1  # requests the engine runs at once
+        self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # execute -> the engine loop
+        self.load = 0  # requests accepted and not ended yet
+        self.cond = threading.Condition()  # guards `load`; notified when a request ends
+        self.batch: dict[Request, Job] = {}  # the batched engine's requests (running or waiting for blocks)
+        self.singles: deque[Job] = deque()  # the single-request path's, in order: the first one runs
         # Triton calls finalize only once no request is in flight, so `microspec serve` announces a shutdown with
         # this file: running and queued requests then end at once with an error instead of holding the server up
         self.stop_file = os.environ.get(STOP_FILE_ENV)
         self.stopping = False
         # several instances (serve --gpus 0,1): Triton gives a request to any instance whose `execute` is free, and
-        # ours returns at once, so a busy engine would keep taking requests while another idles; with several, each
-        # `execute` returns only once its engine is done, and Triton's queue feeds whichever engine is free
+        # ours returns at once, so a full instance would keep taking requests while another idles. With several,
+        # `execute` returns only while its instance has room for one more running request (max_batch; one on the
+        # single-request path), so a full instance holds Triton's next request back and Triton's queue feeds the
+        # others. Below that Triton may give one instance more than its share, which its batch absorbs.
         groups = config.get("instance_group", [])
         self.balance = sum(g.get("count", 1) * max(len(g.get("gpus") or []), 1) for g in groups) > 1
-        self.worker = threading.Thread(target=self._work, name="microspec-worker", daemon=True)
-        self.worker.start()
+        self.gauges = Gauges({"model": args["model_name"], "instance": args["model_instance_name"]})
+        self._report()
+        self.loop = threading.Thread(target=self._loop, name="microspec-engine", daemon=True)
+        self.loop.start()
 
     def execute(self, requests) -> None:
         for request in requests:
             sender = request.get_response_sender()
             try:
                 job = self._parse(request, sender)
-                if self._stopping():
-                    raise Shutdown()
-                self.jobs.put_nowait(job)
-                if self.balance:
-                    self.jobs.join()
             except UserError as e:
                 _send(sender, _error(str(e)), final=True)
-            except queue.Full:
-                _send(sender, _error(f"the server is busy: {self.jobs.maxsize} requests are already queued",
+                continue
+            if self._stopping():
+                _send(sender, _shutdown(), final=True)
+            elif not self._admit():
+                _send(sender, _error(f"the server is busy: {self.max_queue_size} requests are already queued",
                                      "UNAVAILABLE"), final=True)
-            except Shutdown:
-                _send(sender, _error("the server is shutting down", "UNAVAILABLE"), final=True)
-        return None
+            else:
+                self.inbox.put(job)
+                if self.balance:
+                    with self.cond:
+                        self.cond.wait_for(lambda: self.load < self.capacity)
 
     def finalize(self) -> None:
         self.stopping = True
-        while True:  # queued requests will never run: tell their clients
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                _send(job.sender, _error("the server is shutting down", "UNAVAILABLE"), final=True)
-        self.jobs.put(None)
-        self.worker.join(timeout=30)
+        self.inbox.put(None)
+        self.loop.join(timeout=30)
+        self.gauges.close()
         if self.tp > 1:
             tp_serving.stop()
 
     def _stopping(self) -> bool:
         return self.stopping or bool(self.stop_file and os.path.exists(self.stop_file))
+
+    def _admit(self) -> bool:
+        """Count a request in, unless the engine's places and the queue behind them are all taken."""
+        with self.cond:
+            if self.load >= self.capacity + self.max_queue_size:
+                return False
+            self.load += 1
+            return True
 
     def _parse(self, request, sender) -> Job:
         # Triton itself rejects a missing text_input or max_tokens and wrong dtypes or shapes (config.pbtxt)
@@ -181,75 +234,127 @@ class TritonPythonModel:
             raise UserError(f"max_tokens must be between 1 and {self.llm.max_seq_len} (this engine's maximum "
                             f"sequence length), got {max_tokens}")
         stream, chat, end_id, stop = (_input(request, n) for n in ("stream", "chat", "end_id", "stop_words"))
-        chat = bool(chat[0]) if chat is not None else False
-        ids = self.llm.prompt_ids(prompt, chat)
+        ids = self.llm.prompt_ids(prompt, bool(chat[0]) if chat is not None else False)
         self.llm.executor.check(ids, max_tokens)  # UserError for a prompt too long for the engine
         given = {k: _input(request, name) for k, name in SAMPLING_INPUTS.items()}
         sampling = SamplingParams(**{k: v[0].item() for k, v in given.items() if v is not None})  # UserError if bad
-        return Job(sender=sender, prompt=prompt, max_tokens=max_tokens,
-                   stream=bool(stream[0]) if stream is not None else False, chat=chat,
+        return Job(sender=sender, prompt_ids=ids, max_tokens=max_tokens,
+                   stream=bool(stream[0]) if stream is not None else False,
                    end_id=int(end_id[0]) if end_id is not None else None,
                    stop_words=[w for w in (_decode(b, "stop_words") for b in stop) if w] if stop is not None else [],
-                   prompt_tokens=len(ids), sampling=dataclasses.asdict(sampling))
+                   sampling=sampling)
 
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            try:
-                self._run(job)
-                continue
-            except Shutdown:
-                error = _error("the server is shutting down", "UNAVAILABLE")
-            except Cancelled:  # the final flag still goes out, so Triton can retire the request
-                error = _error("the request was cancelled", "CANCELLED")
-            except Exception as e:  # a failure in one request must not stop the worker
-                error = _error(f"generation failed: {type(e).__name__}: {e}", "INTERNAL")
-            finally:
-                self.jobs.task_done()  # frees a waiting `execute` (several instances)
-            try:
-                _send(job.sender, error, final=True)
-            except Exception:
-                pass  # the client is gone
+    def _loop(self) -> None:
+        """The engine loop: the only thread that runs the model. Each turn takes the new requests, ends the
+        cancelled ones, runs one step of the batch and one step of the single-request path's current request."""
+        while self._take():
+            stopping = self._stopping()
+            for job in [*self.batch.values(), *self.singles]:
+                if stopping or job.sender.is_cancelled():  # shut down, or the client cancelled or went away
+                    self._end(job, _shutdown() if stopping else _error("the request was cancelled", "CANCELLED"))
+            if self.sched and not self.sched.idle:  # also after a cancel: its blocks go back at this boundary
+                self._step_batch()
+            if self.singles:
+                self._step_single(self.singles[0])
+            self._report()
+        for job in [*self.batch.values(), *self.singles]:
+            self._end(job, _shutdown())
 
-    def _run(self, job: Job) -> None:
-        gen = self.llm.stream_tokens(job.prompt, job.max_tokens, job.chat, **job.sampling)
-        text, ids = "", []  # what was generated so far (text: cut at a stop word or end_id)
-        try:
-            while True:
-                if self._stopping():
-                    raise Shutdown()
-                if job.sender.is_cancelled():  # the client cancelled or went away: `finally` frees the model
-                    raise Cancelled()
+    def _take(self) -> bool:
+        """Hands the requests `execute` queued to the engine, waiting for one while the engine is idle. False once
+        finalize says stop."""
+        idle = not self.singles and (self.sched is None or self.sched.idle)
+        jobs = [self.inbox.get()] if idle else []
+        while not self.inbox.empty():
+            jobs.append(self.inbox.get())
+        for job in jobs:
+            if job is None:
+                return False
+            if self.sched and job.sampling.greedy:
                 try:
-                    piece, toks = next(gen)
-                except StopIteration as stop:
-                    stats = stop.value.stats
-                    break
-                ids += toks
-                cut = self._stop_at(job, text + piece, ids)
-                if cut is not None:
-                    piece = (text + piece)[len(text):cut]
-                text += piece
-                if job.stream and piece:
-                    _send(job.sender, _response(piece))
-                if cut is not None:
-                    stats = _end_early(gen)
-                    break
-        finally:
-            gen.close()  # releases the LLM's lock if we stopped early
-        _send(job.sender, _response("" if job.stream else text, stats), final=True)
+                    job.req = self.sched.add(job.prompt_ids, job.max_tokens)
+                except UserError as e:  # it could never fit: over the sequence limit or the whole pool
+                    self._end(job, _error(str(e)))
+                    continue
+                self.batch[job.req] = job
+            else:
+                job.steps = self.llm.executor.run(job.prompt_ids, job.max_tokens, job.sampling)
+                self.singles.append(job)
+        return True
 
-    def _stop_at(self, job: Job, text: str, ids: list[int]) -> int | None:
-        """Where the output ends because of the request's end_id or stop words (they are not part of it)."""
-        cuts = [i for i in (text.find(w) for w in job.stop_words) if i >= 0]
-        if job.end_id is not None and job.end_id in ids:
-            cuts.append(len(self.llm.tokenizer.decode(ids[: ids.index(job.end_id)])))
-        return min(cuts) if cuts else None
+    def _step_batch(self) -> None:
+        try:
+            emitted = self.sched.step()
+        except Exception as e:  # the step of the whole batch failed: its requests end with the error
+            emitted = []
+            for req in self.sched.running:
+                req.error = req.error or f"{type(e).__name__}: {e}"
+        for req, toks in emitted:
+            job = self.batch[req]
+            if self._feed(job, toks, req.done):
+                self._end(job, _response("" if job.stream else job.text, req.stats.summary()))
+        for job in [j for j in self.batch.values() if j.req.error]:  # failed ones (the scheduler says so)
+            self._end(job, _error(f"generation failed: {one_line(job.req.error)}", "INTERNAL"))
+
+    def _step_single(self, job: Job) -> None:
+        try:
+            try:
+                toks, stats = job.steps.send(None), None
+            except StopIteration as stop:
+                toks, stats = [], stop.value
+            if not self._feed(job, toks, final=stats is not None):
+                return
+            response = _response("" if job.stream else job.text,
+                                 (stats if stats is not None else _end_early(job.steps)).summary())
+        except UserError as e:  # refused at its first step (e.g. sampling under --tp)
+            response = _error(str(e))
+        except Exception as e:  # a failure in one request must not stop the loop
+            response = _error(f"generation failed: {type(e).__name__}: {one_line(e)}", "INTERNAL")
+        self._end(job, response)
+
+    def _feed(self, job: Job, toks: list[int], final: bool) -> bool:
+        """A request's new tokens (final: its generation is over): stream the text they complete, and end the output
+        at its end_id or first stop word (neither is part of it). True when the request is over."""
+        job.ids += toks
+        end = job.end_id in job.ids
+        if not (final or end or job.stream or job.stop_words):
+            return False  # nothing to send or search yet: decoded once, at the end
+        text = self.llm.tokenizer.decode(job.ids[:job.ids.index(job.end_id)] if end else job.ids)
+        if text.endswith("\ufffd") and not (final or end):
+            return False  # an incomplete UTF-8 sequence: wait for the tokens that complete it
+        cut = min((i for i in (text.find(w) for w in job.stop_words) if i >= 0), default=len(text))
+        piece, job.text = text[len(job.text):cut], text[:cut]
+        if job.stream and piece:
+            _send(job.sender, _response(piece))
+        return final or end or cut < len(text)
+
+    def _end(self, job: Job, response) -> None:
+        """A request's final response. The engine lets it go: a batched request's blocks go back at the next
+        boundary, the single-request executor ends its run."""
+        if job.req is not None:
+            self.sched.cancel(job.req)  # nothing left to do for one that finished
+            del self.batch[job.req]
+        elif job.steps is not None:
+            job.steps.close()
+            self.singles.remove(job)
+        _send(job.sender, response, final=True)
+        with self.cond:
+            self.load -= 1
+            self.cond.notify_all()
+
+    def _report(self) -> None:
+        s, n = self.sched, len(self.singles)
+        running, waiting = min(n, 1), max(n - 1, 0)
+        if s is None:
+            self.gauges.set(running, waiting, 0, 0)
+        else:
+            self.gauges.set(running + len(s.running), waiting + len(s.waiting), s.blocks.used, s.blocks.num_blocks - 1)
 
 
-def _end_early(gen) -> dict:
+def _end_early(gen) -> Stats:
     """Ends a generation at a stop word or end_id; the executor still returns the request's statistics."""
     while True:
         try:
             gen.send(True)
         except StopIteration as stop:
-            return stop.value.stats
+            return stop.value
