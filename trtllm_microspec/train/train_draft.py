@@ -72,6 +72,7 @@ class Pack:
     doc: torch.Tensor  # [T] which conversation of the row each token belongs to
     assistant: torch.Tensor  # [T] bool: the token is in an assistant turn
     n: int  # valid(0).sum(): the row's positions with a depth-1 loss
+    real: int  # tokens of conversations (the rest is padding)
     feats: torch.Tensor | None = None  # [T, d] target features
 
     @property
@@ -125,7 +126,9 @@ def tokenize(tok: Tokenizer, conversations: list[list[dict]], max_len: int,
 
 
 def pack(seqs: list[tuple[np.ndarray, np.ndarray]], max_len: int, device) -> list[Pack]:
-    """Greedy in-order packing of whole (already truncated) conversations into rows of <= max_len tokens."""
+    """Greedy in-order packing of whole (already truncated) conversations into rows of max_len tokens, the rest of
+    a row padded as one more conversation with no loss: every row has the same shape, so the attention kernels
+    (cuDNN's plans are built per shape) and the allocator see one shape, not one per row."""
     groups, cur, n = [], [], 0
     for s in seqs:
         if cur and n + len(s[0]) > max_len:
@@ -137,10 +140,12 @@ def pack(seqs: list[tuple[np.ndarray, np.ndarray]], max_len: int, device) -> lis
         groups.append(cur)
     packs = []
     for g in groups:
+        pad = max_len - sum(len(ids) for ids, _ in g)
+        g = g + [(np.zeros(pad, dtype=np.int64), np.zeros(pad, dtype=bool))] if pad else g
         doc = torch.cat([torch.full((len(ids),), j) for j, (ids, _) in enumerate(g)])
         p = Pack(torch.from_numpy(np.concatenate([ids for ids, _ in g])).to(device),
                  torch.cat([torch.arange(len(ids)) for ids, _ in g]).to(device), doc.to(device),
-                 torch.from_numpy(np.concatenate([a for _, a in g])).to(device), 0)
+                 torch.from_numpy(np.concatenate([a for _, a in g])).to(device), 0, max_len - pad)
         p.n = int(p.valid(0).sum())
         packs.append(p)
     return packs
@@ -165,13 +170,13 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()  # not inference_mode: the cached features are later inputs of autograd graphs
 def target_features(target: Transformer, packs: list[Pack], desc: str) -> None:
-    bar = tqdm(total=sum(len(p.tokens) for p in packs), desc=f"target features ({desc})", unit="tok",
+    bar = tqdm(total=sum(p.real for p in packs), desc=f"target features ({desc})", unit="tok",
                unit_scale=True, dynamic_ncols=True)
     for p in packs:
         T = len(p.tokens)
         slots = torch.arange(T, device=p.tokens.device)
         p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
-        bar.update(T)
+        bar.update(p.real)
     _sync(packs[0].tokens.device)
     _close(bar, bar.n)
 
@@ -394,7 +399,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
             part = sum(STEP_DECAY ** s * (vl + CE_WEIGHT * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
             part.backward()
             loss, correct = loss + part.detach(), correct + losses[0][2]
-            seen += len(train_packs[i].tokens)
+            seen += train_packs[i].real
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)  # EAGLE's clip
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -420,7 +425,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     after = evaluate(draft, target, held_packs)
     save_draft(draft, out, engine_dir)
     r = {"out": str(out), "steps": done, "planned_steps": plan, "epoch_steps": total, "ttt_steps": ttt_steps,
-         "train_tokens": int(sum(len(p.tokens) for p in train_packs)), "heldout_loss_start": before["loss"],
+         "train_tokens": sum(p.real for p in train_packs), "heldout_loss_start": before["loss"],
          "heldout_acc_start": before["acc"], "heldout_loss": after["loss"], "heldout_acc": after["acc"],
          "heldout_positions": after["positions"], "train_s": perf_counter() - t0}
     print(f"[train-draft] held-out top-1 at depths 1..{EVAL_DEPTHS}: {after['acc']} (start {before['acc']}), "
