@@ -83,7 +83,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 def _gather(x: torch.Tensor) -> torch.Tensor:
     """[T, ...] from every rank -> [world, T, ...]."""
     out = x.new_empty((_world * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x.contiguous())
+    dist.all_gather_into_tensor(out, x.contiguous())
     return out.view(_world, *x.shape)
 
 
