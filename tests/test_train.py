@@ -18,6 +18,7 @@ from trtllm_microspec.data import sharegpt_conversations
 from trtllm_microspec.engine.loader import load_target
 from trtllm_microspec.models.model import Span
 from trtllm_microspec.models.registry import UserError
+from trtllm_microspec.models.tokenizer import Tokenizer
 from trtllm_microspec.spec.eagle import load_draft
 from trtllm_microspec.spec.tree import causal
 from trtllm_microspec.train import train_draft
@@ -52,12 +53,14 @@ def test_sharegpt_conversations():
 def test_pack_rows():
     seqs = [(np.arange(3), np.array([0, 1, 1], bool)), (np.arange(4), np.array([0, 0, 1, 1], bool)),
             (np.arange(5), np.ones(5, bool))]
-    a, b = pack(seqs, 8, CPU)  # 3 + 4 fit a row of 8; the third starts the next
-    assert a.tokens.tolist() == [0, 1, 2, 0, 1, 2, 3] and a.positions.tolist() == [0, 1, 2, 0, 1, 2, 3]
-    assert torch.equal(a.mask[4], torch.tensor([False] * 3 + [True, True] + [False] * 2))  # only its own past
-    assert a.valid(0).tolist() == [True, True, False, False, True, True, False]  # input token i+1: own, assistant
-    assert a.valid(1).tolist() == [True, False, False, True, True, False, False]
-    assert a.n == 4 and b.n == 4
+    a, b = pack(seqs, 8, CPU)  # 3 + 4 fit a row of 8; the third starts the next; both padded to 8
+    assert a.tokens.tolist() == [0, 1, 2, 0, 1, 2, 3, 0] and a.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert a.doc.tolist() == [0, 0, 0, 1, 1, 1, 1, 2] and b.doc.tolist() == [0] * 5 + [1] * 3  # padding: its own
+    assert torch.equal(a.mask[4], torch.tensor([False] * 3 + [True, True] + [False] * 3))  # only its own past
+    assert a.valid(0).tolist() == [True, True, False, False, True, True, False, False]  # input i+1: own, assistant
+    assert a.valid(1).tolist() == [True, False, False, True, True, False, False, False]
+    assert not b.valid(0)[4:].any()  # no loss reads into the padding
+    assert a.n == 4 and b.n == 4 and (a.real, b.real) == (7, 5)
 
 
 def test_heldout_loss_goes_down(trained):
@@ -99,13 +102,26 @@ def test_saved_head_generates(engine_dir, trained):
 
 def test_time_limit_fits_the_schedule_then_stops(engine_dir, convs, tmp_path, monkeypatch):
     """A fake clock: 1 s a reading up to the first training steps, then 3 s. The plan is fitted to the 1 s steps
-    it measured (start, 3 steps, 5 s left -> 8 steps); the slower steps then meet the hard limit at step 5."""
-    readings = iter([1, 2, 3, 4] + list(range(7, 100, 3)))
+    it measured (start, 3 steps, 5 s left -> 8 steps); the slower steps then meet the hard limit at step 5. Caching
+    reads the clock once per row, at the start time (no row left out)."""
+    rows = sum(len(pack(tokenize(Tokenizer(engine_dir), c, ROW, "rows"), ROW, CPU)) for c in (convs[:-2], convs[-2:]))
+    readings = iter([1] * (1 + rows) + [2, 3, 4] + list(range(7, 100, 3)))
     monkeypatch.setattr(train_draft, "perf_counter", lambda: next(readings))
     monkeypatch.setattr(train_draft, "PROBE_STEPS", 2)
     r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": 10_000}, time_limit=8)
     assert (r["steps"], r["planned_steps"]) == (5, 8)
     assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 5  # the stop saved its checkpoint
+
+
+def test_time_limit_caps_caching(engine_dir, convs, tmp_path, monkeypatch, capsys):
+    """Caching may take CACHE_SHARE of --time-limit: the clock passes it after the first row, so one row is trained."""
+    first = pack(tokenize(Tokenizer(engine_dir), convs[:-2], ROW, "rows"), ROW, CPU)
+    held = len(pack(tokenize(Tokenizer(engine_dir), convs[-2:], ROW, "rows"), ROW, CPU))
+    readings = iter([1] * (1 + held) + [1 + train_draft.CACHE_SHARE * 100 + 1] + [50] * 100)
+    monkeypatch.setattr(train_draft, "perf_counter", lambda: next(readings))
+    r = train(engine_dir, tmp_path, data=convs, **KW, time_limit=100)
+    assert len(first) > 1 and r["train_tokens"] == first[0].real and r["steps"] == KW["steps"]
+    assert f"--time-limit: 1 of {len(first)} rows cached" in capsys.readouterr().err
 
 
 def test_resume_matches_uninterrupted_run(engine_dir, convs, trained, tmp_path, monkeypatch):

@@ -24,7 +24,8 @@ at a time (V floats per token would not fit). The last --heldout fraction of the
 
 Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs; with --time-limit the plan
 is cut, after a few measured steps, to the steps that fit before the limit, so the cosine ends when time does
-(the clock counts the whole command, caching included; a hard stop still applies). A checkpoint (fp32 weights +
+(the clock counts the whole command, caching included; a hard stop still applies); caching the target's features
+may take at most CACHE_SHARE of the limit, and the rows not cached by then are left out. A checkpoint (fp32 weights +
 optimizer + plan) is written to <out>/checkpoint.pt every --save-every steps (0: never); --resume continues from
 it, and the data order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
 --eval then measures the head's acceptance length on one question of each Spec-Bench category and HumanEval.
@@ -58,6 +59,8 @@ STEP_DECAY = 0.8  # EAGLE-3's loss weight per unrolled step
 EVAL_DEPTHS = 5  # the default tree's depth: held-out accuracy at depths 1..5
 CE_CHUNK = 1 << 26  # logits per chunk of the token loss: a [rows, V] fp32 tensor is 256 MB at most
 TOKENIZE_CHUNK = 1024  # conversations per encode_batch call (one progress update each)
+CACHE_SHARE = 0.4  # of --time-limit, at most, for the target's features: on the H200 all of ShareGPT (24.6M tokens)
+# takes qwen2.5-coder-1.5b ~220 s to cache, which left a 450 s run one optimizer step
 PROBE_STEPS = 10  # steps timed (after the first) to plan the schedule under --time-limit
 EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
 EVAL_METHODS = ("eagle", "microspec")
@@ -169,16 +172,26 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()  # not inference_mode: the cached features are later inputs of autograd graphs
-def target_features(target: Transformer, packs: list[Pack], desc: str) -> None:
+def target_features(target: Transformer, packs: list[Pack], desc: str, until: float = math.inf) -> list[Pack]:
+    """Caches each row's target features, in order, until the clock passes `until` (one row at least); returns the
+    rows cached."""
     bar = tqdm(total=sum(p.real for p in packs), desc=f"target features ({desc})", unit="tok",
                unit_scale=True, dynamic_ncols=True)
+    done = 0
     for p in packs:
         T = len(p.tokens)
         slots = torch.arange(T, device=p.tokens.device)
         p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
         bar.update(p.real)
+        done += 1
+        if perf_counter() > until:
+            break
     _sync(packs[0].tokens.device)
     _close(bar, bar.n)
+    if done < len(packs):
+        print(f"[train-draft] --time-limit: {done} of {len(packs)} rows cached in {CACHE_SHARE:.0%} of the limit; "
+              f"training uses those", file=sys.stderr)
+    return packs[:done]
 
 
 def unroll(draft: EagleDraft, p: Pack, steps: int, noise: torch.Generator | None):
@@ -361,6 +374,10 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         raise UserError(f"need more than {n_held} conversations to hold {n_held} out, got {len(convs)}")
     train_packs = pack(tokenize(tok, convs[:-n_held], max_len, "train"), max_len, dev)
     held_packs = pack(tokenize(tok, convs[-n_held:], max_len, "held-out"), max_len, dev)
+    target_features(target, held_packs, "held-out")
+    # under --time-limit the features take at most CACHE_SHARE of it: the rows not cached by then are left out
+    cache_until = t0 + CACHE_SHARE * time_limit if time_limit is not None and not resume else math.inf
+    train_packs = target_features(target, train_packs, "train", cache_until)
 
     per_step = max(1, batch_tokens // max_len)
     total = steps or math.ceil(epochs * len(train_packs) / per_step)
@@ -368,7 +385,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     draft = init_draft(engine_dir, target, dev, seed)
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     key = {"engine": str(engine_dir.resolve()), "conversations": len(convs), "max_len": max_len, "seed": seed,
-           "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "total_steps": total}
+           "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "rows": len(train_packs), "total_steps": total}
     start = 0
     if resume:
         ck = out / CHECKPOINT
@@ -380,8 +397,6 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["opt"])
         start, plan = state["step"], state["plan"]
-    target_features(target, train_packs, "train")
-    target_features(target, held_packs, "held-out")
     before = evaluate(draft, target, held_packs)
     done, t_probe, seen = start, None, 0
     bar = tqdm(total=plan, initial=start, desc="train draft", unit="step", dynamic_ncols=True)
@@ -471,7 +486,8 @@ def register(sub) -> None:
                                                                "--out is the package's shipped head)")
     p.add_argument("--heldout", type=float, default=0.02, help="fraction of the conversations held out")
     p.add_argument("--time-limit", type=float, help="seconds of wall time since the start (caching included) by "
-                                                    "which training ends: the schedule is fitted to it")
+                                                    "which training ends: the schedule is fitted to it, and caching takes at most "
+                                                    f"{CACHE_SHARE:.0%} of it")
     p.add_argument("--eval", action="store_true", help="after training, the acceptance length of the head on "
                                                        "Spec-Bench + HumanEval prompts (eagle and microspec)")
     p.add_argument("--eval-tokens", type=int, default=256, help="new tokens per --eval prompt")
