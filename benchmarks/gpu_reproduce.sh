@@ -9,6 +9,7 @@
 #   train      train an EAGLE head for KEY into $HEAD (<= TRAIN_LIMIT s wall, caching included), with --eval
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
 #   sampling   the same at temperature 0.7 (speculative sampling)
+#   sweep      in-flight batching: ar, eagle, microspec at concurrency LEVELS, and vLLM with every prompt at once
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
 OUT=${OUT:-gpu_out}
@@ -18,6 +19,7 @@ TOKENS=${TOKENS:-256}        # new tokens per turn
 TRAIN_LIMIT=${TRAIN_LIMIT:-450}   # the held-out evaluation and --eval run after it: ~10 minutes in all
 TRAIN_ARGS=${TRAIN_ARGS:---eval}
 METHODS=${METHODS:-ar,eagle,frspec,microspec}   # frspec needs `microspec build-freq --engine KEY` first
+LEVELS=${LEVELS:-1,2,4,8,16,32}  # sweep: the concurrency levels
 REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
 mkdir -p "$OUT"
 ms() { python3 -m trtllm_microspec.cli "$@"; }
@@ -52,6 +54,9 @@ EOF
     sampling)
       ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,microspec --temperature 0.7 --seed 0 --limit "$LIMIT" \
         --max-new-tokens "$TOKENS" --warmup 2 --out "$OUT/bench_${KEY}_t0.7" | grep "tok/s" ;;
+    sweep)
+      ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,microspec,vllm --concurrency "$LEVELS" \
+        --limit "$LIMIT" --max-new-tokens "$TOKENS" --warmup 2 --out "$OUT/sweep_$KEY" | grep "tok/s" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
