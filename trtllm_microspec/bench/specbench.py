@@ -132,8 +132,10 @@ def run_batched(model, questions: list[dict], a, label: str) -> list[dict]:
     for c in levels:
         if hasattr(model, "scheduler"):
             model.scheduler().max_batch = c  # the runner is sized for the largest level
-        if a.warmup:  # the batched engine's kernels, graphs (per batch bucket) and KV pool are its own
-            model.generate(prompts[:c], min(a.max_new_tokens, WARMUP_TOKENS), chat=True)
+        if a.warmup:  # the measured run once before: greedy, it meets the same (batch, span) buckets, so every
+            # CUDA graph it needs is captured here (a first capture costs more than a whole step; vLLM captures
+            # at start-up, outside its measurement)
+            model.generate(prompts, a.max_new_tokens, chat=True)
         results, wall = timed(model, prompts, a.max_new_tokens, model.device.type == "cuda", {})
         per_request = [{"qid": q["qid"], **{k: r.stats.get(k) for k in ("new_tokens", "ttft_s", "wall_s")}}
                        for q, r in zip(questions, results)]
@@ -394,7 +396,8 @@ def register(sub) -> None:
     p.add_argument("--categories", type=_names, default=list(CATEGORIES), help=f"comma list of {', '.join(CATEGORIES)}")
     p.add_argument("--limit", type=int, help="questions per category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method; with --concurrency, "
+                   "also one unmeasured pass of the batch per level (0: none)")
     p.add_argument("--frspec-k", type=_ints, default=[], help="FR-Spec sweep: comma list of vocabulary sizes")
     p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6)")
     p.add_argument("--concurrency", type=_ints, help="also decode every question's first turn through the batched "
