@@ -7,7 +7,9 @@ head(predicted) against the soft target distribution softmax(head(target feature
 input token i+1 belongs to an assistant turn (that is where the draft drafts at inference). The input features
 get uniform noise, as EAGLE's training does.
 
-Training-time test (HASS / EAGLE-3; --ttt-steps, 1 = EAGLE's single-step recipe): the draft is unrolled as the tree
+Training-time test (HASS / EAGLE-3; --ttt-steps, 1 = EAGLE's single-step recipe, the default: on the H200 at equal
+wall time, 3 and 5 unrolled steps flattened accuracy over depth but cost so many optimizer steps that depth-1
+accuracy and acceptance fell, BENCHMARKS.md 00.1): the draft is unrolled as the tree
 drafts it. Step s of row i sits at position i+s, reads token i+s+1 (the data's) and the draft's own output of
 step s-1 (step 0: the target's feature i), and attends to what a tree node at depth s sees: the committed rows
 <= i of step 0 (causal within the conversation) and its own path, the steps 1..s of row i. It predicts feature
@@ -348,7 +350,7 @@ def spec_eval(engine_dir: Path, draft_dir: Path, device: str | None, max_new_tok
 
 def train(engine: str | Path, out: str | Path, conversations: int | None = None, max_len: int = 4096,
           steps: int | None = None, epochs: float = 2.0, lr: float = 5e-4, batch_tokens: int = 32768,
-          ttt_steps: int = 3, seed: int = 0, device: str | None = None, resume: bool = False,
+          ttt_steps: int = 1, seed: int = 0, device: str | None = None, resume: bool = False,
           save_every: int = 200, heldout: float = 0.02, time_limit: float | None = None,
           eval_tokens: int = 0, data: list[list[dict]] | None = None) -> dict:
     """Returns the run's record (also printed by the command). eval_tokens > 0: --eval with that many new tokens."""
@@ -477,7 +479,7 @@ def register(sub) -> None:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per optimizer step (whole rows)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per position (training-time "
+    p.add_argument("--ttt-steps", type=int, default=1, help="unrolled draft steps per position (training-time "
                                                             "test); 1 = EAGLE's single-step recipe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
