@@ -10,6 +10,7 @@ import torch
 from trtllm_microspec import LLM
 from trtllm_microspec.engine.block_manager import GIB
 from trtllm_microspec.models.registry import UserError
+from trtllm_microspec.spec.sampling import SamplingParams
 
 # (prompt, chat, max_new_tokens): different lengths and budgets; the first stops at EOS after 8 tokens
 CASES = [
@@ -166,5 +167,28 @@ def test_spec_batch_equals_alone(method, engine_dir, random_draft_dir, alone):
     if method == "microspec":
         for r, (ring, id_of) in zip(reqs[:2], windows):
             assert torch.equal(final[r.rid][0], ring) and torch.equal(final[r.rid][1], id_of)
+    sched.step()
+    assert sched.blocks.used == 0
+
+
+# (case, sampling): greedy beside two sampled requests of different knobs, the last one twice (same seed, same tokens)
+MIXED = [(CASES[1], {}), (CASES[0], dict(temperature=0.8, top_p=0.9, seed=1)),
+         (CASES[3], dict(temperature=1.3, top_k=20, seed=2)), (CASES[3], dict(temperature=1.3, top_k=20, seed=2))]
+
+
+@pytest.mark.parametrize("method", ["ar", "microspec"])
+def test_sampled_batch_equals_alone(method, engine_dir, ar):
+    """Greedy and sampled requests in one batch (3 slots, the fourth joins as one leaves): each gets exactly the
+    tokens it gets alone with the same SamplingParams and seed (the same random stream, drawn per request)."""
+    llm = ar if method == "ar" else LLM(engine_dir, method, device="cpu", max_batch=3, **SPEC)  # the trained head
+    want = [llm.generate(p, m, chat=c, **s).token_ids for (p, c, m), s in MIXED]
+    sched = llm.scheduler()
+    reqs = [sched.add(llm.prompt_ids(p, c), m, SamplingParams(**s)) for (p, c, m), s in MIXED]
+    sched.run(reqs)
+    assert [r.out for r in reqs] == want
+    assert want[2] == want[3] and want[2] != llm.generate(CASES[3][0], CASES[3][2], temperature=1.3, top_k=20,
+                                                          seed=3).token_ids
+    if method != "ar":  # sampled requests walked into the drafted trees, not only the target's own draws
+        assert all(r.stats.round_tokens > r.stats.rounds for r in reqs[1:])
     sched.step()
     assert sched.blocks.used == 0

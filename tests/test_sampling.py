@@ -41,6 +41,17 @@ def test_temperature_top_k_top_p():
     assert torch.equal(probs_of(logits, 1e-30)[0], torch.tensor([1.0, 0, 0, 0, 0]))
 
 
+def test_per_row_knobs_equal_each_row_alone():
+    """A batch's knobs, one per row [T, 1]: each row gets bit for bit the probabilities of its own knobs alone, also a
+    row that does not filter when another does (the batch then sorts every row)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    knobs = [(0.7, 50, 1.0), (1.3, 5, 1.0), (1.0, 50, 0.8)]  # (temperature, top_k, top_p)
+    rows = target_probs(logits, *(torch.tensor([[kn[i]] for kn in knobs]) for i in range(3)), filtered=True)
+    for i, (t, k, p) in enumerate(knobs):
+        alone = probs_of(logits[i:i + 1], t, k if k < 50 else 0, p)
+        assert torch.equal(rows[i:i + 1], alone)
+
+
 @pytest.mark.parametrize("kw, words", [
     (dict(temperature=-0.1), "temperature must be"), (dict(temperature=float("nan")), "temperature must be"),
     (dict(top_p=0.0), "top_p must be in (0, 1]"), (dict(top_p=1.5), "top_p must be in (0, 1]"),
@@ -115,7 +126,7 @@ def grid_law(choose) -> dict:
     tree = synthetic_tree()
     logits = torch.tensor([P[s] for s in NODES]).log()
     sampler = Sampler(lambda logits: logits.argmax(-1), torch.device("cpu"), 3)
-    sampler.start(SamplingParams(temperature=1.0), 4)
+    sampler.start(0, SamplingParams(temperature=1.0), 4)
     law = Counter()
     for u in itertools.product([(j + 0.5) / M for j in range(M)], repeat=3):
         sampler.u.copy_(torch.tensor(u))
@@ -138,10 +149,11 @@ def first_child(tree: Tree, choice: torch.Tensor) -> torch.Tensor:
 def test_tree_rejection_sampling_is_exactly_lossless():
     want = ar_law()
     assert sum(want.values()) == pytest.approx(1.0)
-    assert tv(grid_law(lambda s, logits, t: s.choose(logits, t.depth)), want) < 1e-6  # what the executor runs: one draw per node, walked like greedy
+    # what the executor runs: one draw per node, walked like greedy
+    assert tv(grid_law(lambda s, logits, t: s.choose(logits, 0, t.depth, "sample")), want) < 1e-6
     assert tv(rejection_law(), want) < 1e-9  # ... is EAGLE-2's recursive rejection with point-mass proposals
     # the check has teeth: a broken rule, and the ratio rule with q = the draft softmax on a top-k tree, both fail
-    assert tv(grid_law(lambda s, logits, t: first_child(t, s.choose(logits, t.depth))), want) > 0.2
+    assert tv(grid_law(lambda s, logits, t: first_child(t, s.choose(logits, 0, t.depth, "sample"))), want) > 0.2
     assert tv(rejection_law(ratio=True), want) > 0.05
 
 
@@ -280,8 +292,9 @@ def test_bench_sampled(capsys, engine_dir, tmp_path):
     with pytest.raises(SystemExit) as e:
         main([*args, "--methods", "microspec,hf"])
     assert e.value.code == 2 and "run greedy only" in capsys.readouterr().err
-    main([*args, "--methods", "microspec"])
+    main([*args, "--methods", "microspec", "--concurrency", "1"])  # the batched engine samples too
     res = json.loads((tmp_path / "results.json").read_text())
     run = res["runs"]["microspec"]
     assert run["lossless"] is None and run["summary"]["overall"]["acceptance_length"] >= 1
+    assert run["batched"][0]["requests"] == 1 and run["batched"][0]["output_tokens_per_s"] > 0
     assert "sampled at temperature 0.7, top-p 1.0, top-k 0, seed 0" in (tmp_path / "results.md").read_text()

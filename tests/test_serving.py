@@ -165,8 +165,8 @@ def test_sixteen_concurrent_streams(server, offline):
 
 def test_bad_and_sampled_requests_among_running_ones(server, offline):
     """While greedy streams run: a request the batch can never hold (its prompt + max_tokens over max_seq_len) gets
-    its one-line error and the others finish; a sampling request runs between the batch's steps and gets the text of
-    its seed alone."""
+    its one-line error and the others finish; a sampling request joins the batch and gets the text of its seed
+    alone."""
     sampling = {"temperature": 1.5, "top_p": 0.875, "top_k": 40, "random_seed": 7}
     want_sampled = offline.llm.generate(PROMPTS[3], MAX_TOKENS, temperature=1.5, top_p=0.875, top_k=40, seed=7).text
     calls = [lambda p=p: client.generate(server.grpc_url, p, MAX_TOKENS, stream=True, timeout=300) for p in PROMPTS]

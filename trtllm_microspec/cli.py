@@ -57,9 +57,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:
-    """The batched engine's knobs (generate --prompts-file, serve's greedy requests)."""
+    """The batched engine's knobs (generate --prompts-file, serve)."""
     p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (generate: with "
-                   "--prompts-file; serve: greedy requests); the others wait for a place")
+                   "--prompts-file; serve: per instance); the others wait for a place")
     p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
                    "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
 

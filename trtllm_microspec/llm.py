@@ -212,17 +212,16 @@ class LLM:
     def generate(self, prompt: str | list[dict] | list[str | list[dict]], max_new_tokens: int | list[int] = 256,
                  chat: bool = False, **sampling) -> Result | list[Result]:
         """One prompt -> its Result; a list of prompts -> their Results, decoded together as one batch
-        (in-flight batching: at most max_batch at once, the rest join as others finish)."""
+        (in-flight batching: at most max_batch at once, the rest join as others finish), each with the tokens it
+        gets alone. sampling: SamplingParams' fields, for every prompt; none given: greedy."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
             budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt)
             if len(budgets) != len(prompt):
                 raise UserError(f"{len(prompt)} prompts but {len(budgets)} max_new_tokens")
-            if SamplingParams(**sampling).temperature > 0:
-                raise UserError("a list of prompts is decoded greedily (the batched engine does not sample yet); "
-                                "give one prompt at a time to sample")
+            params = SamplingParams(**sampling)  # each request draws from its own generator seeded with params.seed
             sched = self.scheduler()
             with self._lock:
-                reqs = [sched.add(self.prompt_ids(p, chat), m) for p, m in zip(prompt, budgets)]
+                reqs = [sched.add(self.prompt_ids(p, chat), m, params) for p, m in zip(prompt, budgets)]
                 sched.run(reqs)
             return [self.result(r) for r in reqs]
         gen = self.stream_tokens(prompt, max_new_tokens, chat, incremental=False, **sampling)

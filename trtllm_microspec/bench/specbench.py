@@ -122,7 +122,7 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
     return records, ids
 
 
-def run_batched(model, questions: list[dict], a, label: str) -> list[dict]:
+def run_batched(model, questions: list[dict], a, label: str, sampling: dict) -> list[dict]:
     """--concurrency: every question's first turn submitted at once to the batched engine, at most `c` in flight
     for each c of the list (the rest join as others finish): throughput and per-request latency per level. An
     outside reference (vLLM) takes them all at once, at its own max_num_seqs (the largest c)."""
@@ -132,11 +132,11 @@ def run_batched(model, questions: list[dict], a, label: str) -> list[dict]:
     for c in levels:
         if hasattr(model, "scheduler"):
             model.scheduler().max_batch = c  # the runner is sized for the largest level
-        if a.warmup:  # the measured run once before: greedy, it meets the same (batch, span) buckets, so every
-            # CUDA graph it needs is captured here (a first capture costs more than a whole step; vLLM captures
-            # at start-up, outside its measurement)
-            model.generate(prompts, a.max_new_tokens, chat=True)
-        results, wall = timed(model, prompts, a.max_new_tokens, model.device.type == "cuda", {})
+        if a.warmup:  # the measured run once before, sampled alike: it meets the same (batch, span, sampling mode)
+            # buckets (exactly the same when greedy or seeded), so the CUDA graphs it needs are captured here (a first
+            # capture costs more than a whole step; vLLM captures at start-up, outside its measurement)
+            model.generate(prompts, a.max_new_tokens, chat=True, **sampling)
+        results, wall = timed(model, prompts, a.max_new_tokens, model.device.type == "cuda", sampling)
         per_request = [{"qid": q["qid"], **{k: r.stats.get(k) for k in ("new_tokens", "ttft_s", "wall_s")}}
                        for q, r in zip(questions, results)]
         s = batch_summary(per_request, wall, c)
@@ -299,8 +299,8 @@ def cmd_bench(a) -> None:
             raise UserError(f"--concurrency runs the batched engine, which runs {', '.join(BATCHED)} (and vLLM "
                             f"batches), not "
                             f"{', '.join(unbatched)}")
-        if sampling or a.tp > 1:
-            raise UserError("--concurrency runs the batched engine: greedy and on one device (no --temperature, --tp)")
+        if a.tp > 1:
+            raise UserError("--concurrency runs the batched engine, on one device (no --tp)")
     questions = load_questions(data_dir(a.data), a.categories, a.limit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -320,7 +320,7 @@ def cmd_bench(a) -> None:
         model = make_model(a, run)
         t0 = time.perf_counter()
         records, ids = run_questions(model, questions, a, label, sampling)
-        batched = run_batched(model, questions, a, label) if a.concurrency else None
+        batched = run_batched(model, questions, a, label, sampling) if a.concurrency else None
         if run["method"] == "ar":
             ar_ids = ids
             res["device"] = str(model.device)

@@ -93,7 +93,8 @@ class Executor:
     def run(self, prompt_ids: list[int], max_new_tokens: int,
             sampling: SamplingParams = GREEDY) -> Generator[list[int], None, Stats]:
         self.check(prompt_ids, max_new_tokens)
-        self.sampler.start(sampling, self.target.cfg.vocab_size)
+        self.sampler.start(0, sampling, self.target.cfg.vocab_size)
+        self.mode = self.sampler.mode([0])
         stats, timer = Stats(prompt_tokens=len(prompt_ids)), PhaseTimer(self.device)
         t0 = time.perf_counter()
         self.counters.zero_()
@@ -116,8 +117,11 @@ class Executor:
         stats.wall_s = time.perf_counter() - t0
         return stats
 
+    def choose(self, logits: torch.Tensor, level) -> torch.Tensor:
+        return self.sampler.choose(logits, 0, level, self.mode)  # the one request is the sampler's row 0
+
     def _phase(self, timer: PhaseTimer, name: str, S: int, fn) -> None:
-        timer.run(name, (lambda: self.graphs(name, (S, self.sampler.mode), fn)) if self.graphs else fn)
+        timer.run(name, (lambda: self.graphs(name, (S, self.mode), fn)) if self.graphs else fn)
 
     def _span(self, n: int) -> int:
         """KV slots the next step attends over: just enough eagerly, a fixed bucket under CUDA graphs."""
@@ -125,7 +129,7 @@ class Executor:
         if not self.graphs:
             return need
         S = bucket_for(need, self.target.cfg.max_seq_len)
-        self.graphs.begin_round((S, self.sampler.mode))  # greedy and sampling steps are different graphs
+        self.graphs.begin_round((S, self.mode))  # greedy and sampling steps are different graphs
         return S
 
     def _prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,20 +146,20 @@ class Executor:
 
         def prefill():
             _, h = self._prefill(prompt_ids)
-            self.root.copy_(self.sampler.choose(t.logits(h[-1:]), 0))
+            self.root.copy_(self.choose(t.logits(h[-1:]), 0))
 
         def step(S):
             h = t(self.root, self.n.view(1), self.n.view(1), Span(self.n, causal(1, self.device), S))
-            self.root.copy_(self.sampler.choose(t.logits(h), 0))
+            self.root.copy_(self.choose(t.logits(h), 0))
             self.n.add_(1)
 
-        self.sampler.next()
+        self.sampler.next([0])
         timer.run("prefill", prefill)
         n = len(prompt_ids)
         yield self.root.tolist()
         while n + self.reserve < t.cfg.max_seq_len:
             S = self._span(n)
-            self.sampler.next()
+            self.sampler.next([0])
             self._phase(timer, "verify", S, lambda: step(S))
             n += 1
             yield self.root.tolist()  # the one host read per step
@@ -167,7 +171,7 @@ class Executor:
         def prefill():
             ids, h = self._prefill(prompt_ids)
             first = t.logits(h[-1:])
-            self.root.copy_(self.sampler.choose(first, 0))
+            self.root.copy_(self.choose(first, 0))
             topk_pre = torch.cat([t.topk(t.logits(h[i:i + PREFILL_CHUNK]), self.k_pre).flatten()
                                   for i in range(0, h.shape[0], PREFILL_CHUNK)])
             vocab.start(ids, topk_pre, t.topk(first, self.k_ver)[0])
@@ -179,12 +183,13 @@ class Executor:
             vocab.join()
 
         def draft_phase(S):
-            self.drafted = draft_tree(d, vocab, self.h_last, self.root, self.n, S, cfg, self.sampler.draft_temperature)
+            self.drafted = draft_tree(d, vocab, self.h_last, self.root, self.n, S, cfg,
+                                      self.sampler.draft_temperature(0, self.mode))
 
         def verify_phase(S):
             hid, logits = verify(t, self.drafted, self.n, S)
             # greedy: the argmax of every node; sampling: one draw per node, which is EAGLE's recursive rejection
-            self.path, self.k, self.emitted = accept(self.drafted, self.sampler.choose(logits, self.drafted.depth), P)
+            self.path, self.k, self.emitted = accept(self.drafted, self.choose(logits, self.drafted.depth), P)
             self.out.copy_(torch.cat([self.k.view(1), self.emitted]))
             self.hid_path = hid[self.path]
             ver = t.topk(logits[self.path], self.k_ver)
@@ -205,13 +210,13 @@ class Executor:
             self.n.add_(self.k + 1)
             vocab.join()
 
-        self.sampler.next()
+        self.sampler.next([0])
         timer.run("prefill", prefill)
         n = len(prompt_ids)
         yield self.root.tolist()
         while n + self.reserve < t.cfg.max_seq_len:
             S = self._span(n)
-            self.sampler.next()
+            self.sampler.next([0])
             self._phase(timer, "draft", S, lambda: draft_phase(S))
             self._phase(timer, "verify", S, lambda: verify_phase(S))
             self._phase(timer, "update", S, lambda: update_phase(S))

@@ -4,8 +4,12 @@ prefill of one request, and one target pass per step for the whole batch.
 Each running request holds a batch slot: its row of the block table lives on the device from join to leave.
 A step's inputs (last token, committed length, slot of each row) are copied from the host into one persistent
 buffer, so the step itself has no host reads; on CUDA it is captured in a graph per (batch-size bucket, span
-bucket) and replayed, rows past the real batch padded with a request of length 0 whose table points at the
-pool's block 0 (never handed out).
+bucket, sampling mode) and replayed, rows past the real batch padded with a greedy request of length 0 whose table
+points at the pool's block 0 (never handed out).
+
+Sampling: each batch slot is a row of one Sampler (spec/sampling.py), set when a request joins, with its own
+generator; a request draws its uniforms as the single-request executor does (one draw before its first token, one
+before each step), so its tokens are those it gets alone with the same SamplingParams and seed.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from plugins.layers import KV_BLOCK
 from ..models.model import KVCache, Span, Transformer
 from ..models.registry import UserError
 from ..spec.batch_tree import accept, draft_trees, physical, verify
+from ..spec.sampling import Sampler
 from ..spec.tree import TreeConfig, causal
 from .block_manager import BlockManager, pool_blocks
 from .executor import PREFILL_CHUNK
@@ -37,7 +42,7 @@ class BatchRunner:
     chunked = True  # prefill may come in chunks
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
-                 cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1):
+                 cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1, levels: int = 1):
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
         self.target, self.max_batch, self.device = target, max_batch, dev
         self.stop_ids = list(c.eos_ids)
@@ -58,6 +63,8 @@ class BatchRunner:
         self.inp = torch.zeros(3, max_batch, dtype=torch.long, device=dev)  # rows: last token, n, batch slot
         self.next = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.one = causal(1, dev)[None]
+        # a row per batch slot and the padding slot (greedy); `levels` uniforms per step: AR one, a tree one per level
+        self.sampler = Sampler(target.argmax, dev, levels, max_batch + 1)
         self.graphs = GraphRunner() if cuda_graphs else None
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
@@ -76,6 +83,7 @@ class BatchRunner:
         row = torch.zeros(self.table.shape[1], dtype=torch.long)
         row[:len(blocks)] = torch.tensor(blocks)
         self.table[req.slot].copy_(row)
+        self.sampler.start(req.slot, req.params, self.target.cfg.vocab_size)
 
     def leave(self, req) -> None:
         if req.slot >= 0:
@@ -94,8 +102,13 @@ class BatchRunner:
         req.prefilled = req.n = b
         if b < len(req.prompt):
             return None
-        req.last = int(t.logits(h[-1:]).argmax(-1))
+        req.last = int(self.first_token(req, t.logits(h[-1:])))
         return [req.last]
+
+    def first_token(self, req, logits: torch.Tensor) -> torch.Tensor:
+        """The token after the prompt [1], from the first uniforms of the request's stream."""
+        self.sampler.next([req.slot])
+        return self.sampler.choose(logits, req.slot, 0, self.sampler.mode([req.slot]))
 
     def decode(self, reqs: list) -> list[list[int]]:
         """One AR step for the batch: one target pass over one row per request."""
@@ -104,23 +117,26 @@ class BatchRunner:
         rows = [(r.last, r.n, r.slot) for r in reqs] + [(0, 0, self.pad)] * (Bb - B)
         self.inp[:, :Bb].copy_(torch.tensor(rows).T)
         S = max(r.n for r in reqs) + 1
+        slots = [r.slot for r in reqs]
+        self.sampler.next(slots)  # outside the graph, which reads the uniforms from the sampler's buffer
+        mode = self.sampler.mode(slots)
         if self.graphs:
             S = bucket_for(S, self.target.cfg.max_seq_len)
-            self.graphs.begin_round((Bb, S))
-            self.graphs("decode", (Bb, S), lambda: self._decode(Bb, S))
+            self.graphs.begin_round((Bb, S, mode))  # greedy and sampling steps are different graphs
+            self.graphs("decode", (Bb, S, mode), lambda: self._decode(Bb, S, mode))
         else:
-            self._decode(Bb, S)
+            self._decode(Bb, S, mode)
         out = self.next[:B].tolist()  # the one host read per step
         for r, tok in zip(reqs, out):
             r.n += 1
             r.last = tok
         return [[tok] for tok in out]
 
-    def _decode(self, Bb: int, S: int) -> None:
+    def _decode(self, Bb: int, S: int, mode: str) -> None:
         tok, n, slot = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
         span = Span(n, self.one.expand(Bb, 1, 1), S, self.table.index_select(0, slot))
         h = self.target(tok, n, n, span, cache=self.cache)
-        self.next[:Bb].copy_(self.target.logits(h).argmax(-1))
+        self.next[:Bb].copy_(self.sampler.choose(self.target.logits(h), slot, 0, mode))
 
 
 class SpecRunner(BatchRunner):
@@ -136,7 +152,8 @@ class SpecRunner(BatchRunner):
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None):
         reserve = max(tree.total_tokens, tree.max_path + tree.draft_slots)
-        super().__init__(target, max_batch, kv_memory, cuda_graphs=False, extra_layers=1, reserve=reserve)
+        super().__init__(target, max_batch, kv_memory, cuda_graphs=False, extra_layers=1, reserve=reserve,
+                         levels=tree.max_path)
         self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
         dev = self.device
         self.dcache = KVCache(draft.cfg, 1, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
@@ -152,7 +169,7 @@ class SpecRunner(BatchRunner):
         span = Span(torch.zeros(1, dtype=torch.long, device=dev), causal(L, dev), L,
                     self.table[req.slot:req.slot + 1])
         h = t(ids, pos, pos, span, cache=self.cache)
-        root = t.logits(h[-1:])[0].argmax().view(1)
+        root = self.first_token(req, t.logits(h[-1:]))
         topk_pre = torch.cat([t.logits(h[i:i + PREFILL_CHUNK]).topk(self.k_pre, -1).indices.flatten()
                               for i in range(0, L, PREFILL_CHUNK)])
         self.vocab.start(req.slot, ids, topk_pre)  # a window starts afresh: nothing of others
@@ -167,24 +184,30 @@ class SpecRunner(BatchRunner):
         """One draft / verify / update round for the batch."""
         t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.tree, self.device
         B, P = len(reqs), cfg.max_path
-        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        slot_ids = [r.slot for r in reqs]
+        slots = torch.tensor(slot_ids, device=dev)
         top = max(r.slot for r in reqs) + 1
         n = torch.tensor([r.n for r in reqs], device=dev)
         root = torch.tensor([r.last for r in reqs], device=dev)
         table = self.table.index_select(0, slots)
         S = max(r.n for r in reqs) + self.reserve
+        self.sampler.next(slot_ids)
+        mode = self.sampler.mode(slot_ids)
+        temperature = self.sampler.draft_temperature(slots, mode)  # [B, 1]
 
         def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
-            return vocab.head(h, slots, top, k)
+            return vocab.head(h if temperature is None else h / temperature[:, None], slots, top, k)
 
         tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
         hid, logits = verify(t, self.cache, tree, n, table, S)
-        path, k, emitted = accept(tree, logits.argmax(-1), P)
+        N, V = tree.tokens.shape[1], logits.shape[-1]
+        # greedy rows: the argmax of every node; sampling rows: one draw per node with their tree level's uniform
+        choice = self.sampler.choose(logits.view(B * N, V), slots.repeat_interleave(N), tree.depth.flatten(), mode)
+        path, k, emitted = accept(tree, choice.view(B, N), P)
         steps = torch.arange(P, device=dev)
         valid = steps[None, :] <= k[:, None]
         size = vocab.size(slots)
         covered = (vocab.contains(slots, emitted) & valid).sum(1)
-        V = logits.shape[-1]
         ver = logits.gather(1, path[:, :, None].expand(B, P, V)).topk(self.k_ver, -1).indices
         ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
         self.cache.move(physical(table, n[:, None] + path).flatten(), physical(table, n[:, None] + steps).flatten())

@@ -5,7 +5,8 @@ at once), waiting requests join in order while the batch has room and the pool h
 that does not fit holds the rest back, so a long request is not starved by short ones), prefill advances by
 at most `prefill_budget` prompt tokens (chunked: a long prompt does not stall the running batch for more than
 one chunk per step), and every request whose prompt is in the cache decodes one step together (one target
-pass for the batch). Greedy only; each request's tokens are those it gets alone.
+pass for the batch). Each request samples with its own SamplingParams (greedy by default): its tokens are those it
+gets alone with the same parameters and seed.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..models.registry import UserError
+from ..spec.sampling import GREEDY, SamplingParams
 from .block_manager import BlockManager
 from .stats import Stats
 
@@ -26,6 +28,7 @@ PREFILL_BUDGET = 512  # prompt tokens prefilled per step, over all joining reque
 class Request:
     prompt: list[int]
     max_new_tokens: int
+    params: SamplingParams = GREEDY
     rid: int = field(default_factory=itertools.count().__next__)
     out: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in the cache
@@ -55,11 +58,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.lock = threading.Lock()  # add / cancel may come from other threads (serving)
 
-    def add(self, prompt: list[int], max_new_tokens: int) -> Request:
+    def add(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = GREEDY) -> Request:
         """Queue a request; a UserError now if it could never run."""
         self.runner.check(prompt, max_new_tokens)
         self.blocks.check(self.runner.slots_for(prompt, max_new_tokens), "this request")
-        req = Request(prompt=list(prompt), max_new_tokens=max_new_tokens)
+        req = Request(prompt=list(prompt), max_new_tokens=max_new_tokens, params=params)
         req.stats.prompt_tokens = len(prompt)
         with self.lock:
             self.waiting.append(req)

@@ -2,10 +2,10 @@
 
 Runs inside Triton's Python stub (`triton_repo/microspec/1/model.py` re-exports `TritonPythonModel`). The model is
 decoupled: `execute` only validates requests (bad ones get an error response at once) and hands them to one engine
-loop thread, the only thread that touches the model. Greedy requests join the running batch of the batched engine
-(in-flight batching over the paged KV pool, `LLM.scheduler()`); sampling requests, and every request of a method the
-batched engine does not run or under --tp, go one at a time through the single-request executor, one step of it
-between two steps of the batch, so neither waits for the other to finish. Streaming requests get one response per
+loop thread, the only thread that touches the model. Requests, greedy and sampled, join the running batch of the
+batched engine (in-flight batching over the paged KV pool, `LLM.scheduler()`); every request of a method the batched
+engine does not run or under --tp goes one at a time through the single-request executor, one step of it between
+two steps of the batch, so neither waits for the other to finish. Streaming requests get one response per
 text piece, then a final one with the statistics; non-streaming ones get a single response with the whole text and
 the statistics.
 """
@@ -39,7 +39,7 @@ NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "static_k": int, "depth": i
            "total_tokens": int, "max_seq_len": int, "max_batch": int, "kv_memory": float, "tp": int,
            "tp_timeout": float, "max_queue_size": int, "tp_port": int}
 # the batch's state on Triton's metrics port (gauges per model instance)
-METRICS = {"microspec_running_requests": "requests decoding now (the batch, and the sampling request in turn)",
+METRICS = {"microspec_running_requests": "requests decoding now (the batch, and the single-request path's one in turn)",
            "microspec_waiting_requests": "requests accepted and waiting for a place in the batch or their turn",
            "microspec_kv_blocks_used": "KV-cache blocks held by the batch's requests",
            "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)"}
@@ -157,12 +157,12 @@ class TritonPythonModel:
             self.llm = tp_serving.lead(LLM, kwargs)
         else:
             self.llm = LLM(**kwargs)
-        # greedy requests join the batched engine where it runs the method (one device; under --tp the followers
-        # replay the single-request executor only)
+        # requests join the batched engine where it runs the method (one device; under --tp the followers replay the
+        # single-request executor only)
         self.sched = self.llm.scheduler() if self.llm.method in BATCHED and self.tp == 1 else None
-        # one short generation before the model reports ready, through the path greedy requests take: kernel
+        # one short generation before the model reports ready, through the path requests take: kernel
         # loading and the first CUDA-graph captures are paid here, not by the first client (on the H200 its first
-        # token took 0.79 s without this)
+        # token took 0.79 s without this); a sampled request's graphs are captured when it first comes
         self.llm.generate(["Hello"] if self.sched else "Hello", 16)
         self.capacity = self.llm.max_batch if self.sched else 1  # requests the engine runs at once
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # execute -> the engine loop
@@ -270,9 +270,9 @@ class TritonPythonModel:
         for job in jobs:
             if job is None:
                 return False
-            if self.sched and job.sampling.greedy:
+            if self.sched:
                 try:
-                    job.req = self.sched.add(job.prompt_ids, job.max_tokens)
+                    job.req = self.sched.add(job.prompt_ids, job.max_tokens, job.sampling)
                 except UserError as e:  # it could never fit: over the sequence limit or the whole pool
                     self._end(job, _error(str(e)))
                     continue

@@ -65,7 +65,8 @@ GREEDY = SamplingParams()
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  filtered: bool) -> torch.Tensor:
-    """[T, V] logits -> [T, V] fp32 probabilities after temperature, top-k (k >= 1) and top-p (device scalars)."""
+    """[T, V] logits -> [T, V] fp32 probabilities after temperature, top-k (k >= 1) and top-p: device scalars, or
+    [T, 1] with one value per row (a batch of requests)."""
     x = logits.float()
     x = (x - x.amax(-1, keepdim=True)) / temperature  # shift first: a tiny temperature gives -inf, never inf - inf
     if filtered:
@@ -87,52 +88,63 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """One request's sampling state, in persistent device tensors that captured CUDA graphs read: the knobs, and `u`,
-    one uniform per tree level for the next step, drawn from the request's generator before each step outside the
-    graphs (a kernel launch, no host sync). Greedy requests draw nothing: they take the target's argmax, as before."""
+    """The sampling state of `rows` requests (the batch slots of the batched engine; the single-request executor
+    has one row), in persistent device tensors that captured CUDA graphs read: each row's knobs, whether it samples,
+    and `u`, one uniform per tree level for the row's next step, drawn from the row's own generator before each step
+    outside the graphs (a kernel launch per sampling row, no host sync). Greedy rows draw nothing and take the
+    target's argmax, as before, also beside sampling rows in one batch."""
 
-    def __init__(self, argmax, device: torch.device, levels: int):
+    def __init__(self, argmax, device: torch.device, levels: int, rows: int = 1):
         self.argmax = argmax  # the target's (vocabulary-split under tensor parallelism)
-        self.temperature = torch.ones((), device=device)
-        self.top_k = torch.zeros((), dtype=torch.long, device=device)
-        self.top_p = torch.ones((), device=device)
-        self.u = torch.zeros(levels, device=device)
-        self.generator = torch.Generator(device)
-        self.params = GREEDY
+        # [rows, 1]: a row's knobs broadcast over its logits' vocabulary dimension
+        self.sampled = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(rows, 1, device=device)
+        self.top_k = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.top_p = torch.ones(rows, 1, device=device)
+        self.u = torch.zeros(rows, levels, device=device)
+        self.generators = [torch.Generator(device) for _ in range(rows)]
+        self.params = [GREEDY] * rows
 
-    def start(self, params: SamplingParams, vocab_size: int) -> None:
+    def start(self, row: int, params: SamplingParams, vocab_size: int) -> None:
         if not params.greedy and parallel.world() > 1:
             raise UserError("sampling with tensor parallelism (--tp > 1) is not supported yet: use temperature 0")
-        self.params = params
+        self.params[row] = params
+        self.sampled[row] = not params.greedy
+        # a greedy row of a mixed batch runs the sampling math too (its draw is dropped): keep it finite
+        self.temperature[row] = params.temperature or 1.0
+        self.top_k[row] = params.top_k or vocab_size
+        self.top_p[row] = params.top_p
         if params.greedy:
             return
-        self.temperature.fill_(params.temperature)
-        self.top_k.fill_(params.top_k or vocab_size)
-        self.top_p.fill_(params.top_p)
         if params.seed is None:
-            self.generator.seed()
+            self.generators[row].seed()
         else:
-            self.generator.manual_seed(params.seed)
+            self.generators[row].manual_seed(params.seed)
 
-    @property
-    def mode(self) -> str:
-        """Which code a step runs, so each gets its own CUDA graphs."""
-        p = self.params
-        return "greedy" if p.greedy else "top-k/p" if p.filtered else "sample"
+    def mode(self, rows: list[int]) -> str:
+        """Which code a step of these rows runs, so each gets its own CUDA graphs: the argmax only (all greedy), or
+        the sampling math too, with the top-k / top-p sort when any row filters (the rows that do not come through
+        it unchanged)."""
+        params = [self.params[r] for r in rows]
+        return ("greedy" if all(p.greedy for p in params) else "top-k/p" if any(p.filtered for p in params)
+                else "sample")
 
-    @property
-    def draft_temperature(self) -> torch.Tensor | None:
-        """The temperature the draft scores its tree with (spec/tree.py draft_tree)."""
-        return None if self.params.greedy else self.temperature
+    def next(self, rows: list[int]) -> None:
+        """The uniforms of these rows' next step, each from its own generator."""
+        for r in rows:
+            if not self.params[r].greedy:
+                self.u[r].uniform_(generator=self.generators[r])
 
-    def next(self) -> None:
-        if not self.params.greedy:
-            self.u.uniform_(generator=self.generator)
+    def draft_temperature(self, rows, mode: str) -> torch.Tensor | None:
+        """The temperature each row's draft scores its tree with (spec/tree.py draft_tree; greedy rows: 1)."""
+        return None if mode == "greedy" else self.temperature[rows]
 
-    def choose(self, logits: torch.Tensor, level) -> torch.Tensor:
-        """The target's token for each row of logits [T, V]: its argmax (greedy), or a draw from its processed
-        distribution with the uniform of the row's tree level (level: [T] or an int)."""
-        if self.params.greedy:
-            return self.argmax(logits)
-        p = target_probs(logits, self.temperature, self.top_k, self.top_p, self.params.filtered)
-        return draw(p, self.u[level])
+    def choose(self, logits: torch.Tensor, rows, level, mode: str) -> torch.Tensor:
+        """The target's token for each row of logits [T, V]: its argmax (greedy rows), or a draw from its processed
+        distribution with the uniform of the row's request and tree level. rows: the sampler row of each logits row
+        [T], or one int for all; level: [T] or an int."""
+        argmax = self.argmax(logits)
+        if mode == "greedy":
+            return argmax
+        p = target_probs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], mode == "top-k/p")
+        return torch.where(self.sampled[rows, 0], draw(p, self.u[rows, level]), argmax)

@@ -49,8 +49,8 @@ def causal(t: int, device) -> torch.Tensor:
 
 def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.Tensor, S: int,
                cfg: TreeConfig, temperature: torch.Tensor | None = None) -> Tree:
-    """temperature (a device scalar, when sampling) divides the draft's logits (= its hidden, as the head is linear):
-    path scores then estimate the chance that sampling accepts a path."""
+    """temperature (a device tensor [1], when sampling) divides the draft's logits (= its hidden, as the head is
+    linear): path scores then estimate the chance that sampling accepts a path."""
     k, dev = cfg.top_k, h_last.device
 
     def head(h):
