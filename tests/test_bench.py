@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from trtllm_microspec.bench.specbench import data_dir, load_questions
 from trtllm_microspec.cli import main
 from trtllm_microspec.engine.loader import read_config
+from trtllm_microspec.engine.scheduler import Request
 from trtllm_microspec.engine.stats import percentiles
 from trtllm_microspec.llm import FREQ_FILE
 
@@ -112,6 +113,12 @@ def test_bad_input(args, tmp_path, capsys):
     assert e.value.code == 2 and "microspec: error:" in err and len(err.strip().splitlines()) == 1
 
 
+def test_inter_token_latency_on_fixed_times():
+    """One value per token after the first: a step that emits k tokens shares its gap among them."""
+    r = Request(prompt=[1], max_new_tokens=8, emits=[(1.0, 1), (1.5, 1), (2.5, 2), (2.8, 3)])
+    assert r.inter_token_s == pytest.approx([0.5, 0.5, 0.5, 0.1, 0.1, 0.1])
+
+
 def test_percentiles_on_fixed_numbers():
     assert percentiles([4.0, 1.0, 3.0, 2.0, 5.0]) == {"p50": 3.0, "p90": 4.6, "p99": pytest.approx(4.96)}
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
@@ -143,7 +150,7 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
         assert b["output_tokens_per_s"] == pytest.approx(sum(alone.values()) / b["wall_s"])
         assert f"[bench] {name}: 2 first turns at concurrency 2: " in log.getvalue()
     md = (tmp_path / "results.md").read_text()
-    assert "## in-flight batching" in md and "(wall - TTFT) / (tokens - 1)" in md
+    assert "## in-flight batching" in md and "shared by the tokens of the later step" in md
     table = md.split("## in-flight batching")[1].split("\n\n")[2].splitlines()
     assert [r.split(" | ")[:2] for r in table[2:]] == [["| ar", "1"], ["| ar", "2"], ["| microspec", "1"],
                                                       ["| microspec", "2"]]

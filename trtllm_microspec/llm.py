@@ -207,7 +207,8 @@ class LLM:
             raise RuntimeError(f"generation failed: {req.error}")
         return Result(text=self.tokenizer.decode(req.out), token_ids=list(req.out), num_new_tokens=len(req.out),
                       stats={"method": self.method, **req.stats.summary(),
-                             "ttft_s": req.t_first - req.t_submit if req.t_first else None})
+                             "ttft_s": req.t_first - req.t_submit if req.t_first else None,
+                             "inter_token_s": req.inter_token_s})
 
     def generate(self, prompt: str | list[dict] | list[str | list[dict]], max_new_tokens: int | list[int] = 256,
                  chat: bool = False, **sampling) -> Result | list[Result]:

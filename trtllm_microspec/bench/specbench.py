@@ -139,24 +139,21 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict) -> 
         results, wall = timed(model, prompts, a.max_new_tokens, model.device.type == "cuda", sampling)
         per_request = [{"qid": q["qid"], **{k: r.stats.get(k) for k in ("new_tokens", "ttft_s", "wall_s")}}
                        for q, r in zip(questions, results)]
-        s = batch_summary(per_request, wall, c)
+        s = batch_summary(per_request, wall, c, [x for r in results for x in r.stats.get("inter_token_s") or []])
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
             f"{s['output_tokens_per_s']:.1f} output tok/s")
         out.append(s)
     return out
 
 
-def batch_summary(per_request: list[dict], wall: float, concurrency: int) -> dict:
-    """The engine records no per-token times, so a request's inter-token latency is its mean over the decode:
-    (wall - TTFT) / (tokens - 1); a request of one token has none, nor has one without a TTFT (vLLM's)."""
+def batch_summary(per_request: list[dict], wall: float, concurrency: int, inter_token: list[float]) -> dict:
+    """inter_token: every request's inter-token latencies (the engine's emission times; none from vLLM)."""
     tokens = sum(r["new_tokens"] for r in per_request)
-    timed_ = [r for r in per_request if r["ttft_s"] is not None]
     return {"concurrency": concurrency, "requests": len(per_request), "wall_s": wall,
             "requests_per_s": len(per_request) / wall, "output_tokens_per_s": tokens / wall,
-            "ttft_s": percentiles([r["ttft_s"] for r in timed_]),
-            "itl_s": percentiles([(r["wall_s"] - r["ttft_s"]) / (r["new_tokens"] - 1)
-                                  for r in timed_ if r["new_tokens"] > 1]),
-            "latency_s": percentiles([r["wall_s"] for r in per_request]), "per_request": per_request}
+            "ttft_s": percentiles([r["ttft_s"] for r in per_request if r["ttft_s"] is not None]),
+            "itl_s": percentiles(inter_token), "latency_s": percentiles([r["wall_s"] for r in per_request]),
+            "per_request": per_request}
 
 
 def summarize(records: list[dict]) -> dict:
@@ -242,10 +239,11 @@ def markdown(res: dict) -> str:
     if batched:
         ms = lambda p: " | ".join(_fmt(p[k] and p[k] * 1e3, ".1f") for k in ("p50", "p90", "p99"))
         lines += ["", "## in-flight batching (first turns, all submitted at once, at most `concurrency` in flight)", "",
-                  ("TTFT counts from submission (queueing included). The engine records no per-token times: "
-                   "inter-token latency (ITL) is per request (wall - TTFT) / (tokens - 1), its mean over the decode "
-                   "(a speculative round emits several tokens at once). vLLM takes every request at once (its "
-                   "max_num_seqs = the largest concurrency) and reports no per-request times here."), "",
+                  ("TTFT counts from submission (queueing included). Inter-token latency (ITL): over every token "
+                   "after a request's first, the time between the two steps that emitted it and the one before, "
+                   "shared by the tokens of the later step (a speculative round emits several at once). vLLM takes "
+                   "every request at once (its max_num_seqs = the largest concurrency) and reports no per-request "
+                   "times here."), "",
                   "| method | concurrency | requests | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | "
                   "p99 (ms) |", "|---" * 11 + "|"]
         lines += [f"| {n} | {b['concurrency']} | {b['requests']} | {b['requests_per_s']:.2f} | "

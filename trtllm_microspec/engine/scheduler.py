@@ -41,10 +41,17 @@ class Request:
     stats: Stats = field(default_factory=Stats)
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
+    emits: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each step that emitted
 
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.prompt)
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        """Inter-token latencies: the time between two emitting steps, shared by the tokens the later one emitted
+        (a speculative round emits several at once), so there is one value per token after the first."""
+        return [(t - t0) / k for (t0, _), (t, k) in zip(self.emits, self.emits[1:]) for _ in range(k)]
 
 
 class Scheduler:
@@ -139,6 +146,8 @@ class Scheduler:
         toks = toks[: stop + 1] if stop is not None else toks[:room]
         req.out += toks
         req.stats.new_tokens = len(req.out)
+        if toks:
+            req.emits.append((time.perf_counter(), len(toks)))
         if stop is not None or len(req.out) >= req.max_new_tokens:
             self._finish(req, "eos" if stop is not None else "max_tokens")
         return toks
