@@ -76,6 +76,11 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
         raise UserError(f"kv_memory must be positive (a fraction of free GPU memory, or GiB), got {kv_memory}")
 
 
+def is_prompt_list(prompt) -> bool:
+    """A list of prompts (each a string or a chat), not one chat (a list of message dicts)."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], dict)
+
+
 @dataclass
 class Result:
     text: str
@@ -215,7 +220,7 @@ class LLM:
         """One prompt -> its Result; a list of prompts -> their Results, decoded together as one batch
         (in-flight batching: at most max_batch at once, the rest join as others finish), each with the tokens it
         gets alone. sampling: SamplingParams' fields, for every prompt; none given: greedy."""
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
+        if is_prompt_list(prompt):
             budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt)
             if len(budgets) != len(prompt):
                 raise UserError(f"{len(prompt)} prompts but {len(budgets)} max_new_tokens")

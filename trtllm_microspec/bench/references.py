@@ -263,7 +263,9 @@ class VLLMReference:
     def generate(self, prompt, max_new_tokens: int, chat: bool = True):
         """One prompt -> its Result; a list of prompts -> their Results, submitted at once (each one's wall_s is the
         whole batch's: vLLM's offline API returns them together)."""
-        many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict)
+        from ..llm import is_prompt_list
+
+        many = is_prompt_list(prompt)
         ids = [self.tokenizer.prompt_ids(p, chat) for p in (prompt if many else [prompt])]
         if max(map(len, ids)) >= self.max_len:
             raise UserError(f"a prompt has {max(map(len, ids))} tokens; vllm's context holds {self.max_len}")
