@@ -5,7 +5,8 @@
 # Stages:
 #   checks     the custom ops and the Triton layer kernels against their torch references (random inputs)
 #   profile    per-phase time and kernel counts of a decode step, Triton vs the torch reference; one layer's pieces
-#   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16
+#   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16, alone and batched
+#              (the batched engine's CUDA graphs, padding rows included)
 #   train      train an EAGLE head for KEY into $HEAD (<= TRAIN_LIMIT s wall, caching included), with --eval
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
 #   sampling   the same at temperature 0.7 (speculative sampling)
@@ -43,7 +44,8 @@ save_draft(EagleDraft(draft_config(ModelConfig.load(engine / "config.json")), bi
 EOF
       for dt in float32 bfloat16; do
         ms bench --engine "$KEY" --draft "$OUT/random_head" --dtype $dt --methods ar,eagle,microspec --limit 1 \
-          --max-new-tokens 128 --warmup 1 --out "$OUT/lossless_$dt" 2>&1 | grep "mismatches"
+          --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/lossless_$dt" 2>&1 | grep "mismatches"
+        grep -A9 "in-flight batching" "$OUT/lossless_$dt/results.md" | tail -6
       done ;;
     train)
       ms train-draft --engine "$KEY" --out "$HEAD" --time-limit "$TRAIN_LIMIT" --save-every 0 $TRAIN_ARGS \

@@ -4,8 +4,8 @@
 # Stages:
 #   equal      fp32: TP=2 emits TP=1's tokens for ar and microspec (one chat prompt, 256 tokens)
 #   speed      Spec-Bench + HumanEval, ar and microspec with $HEAD, bf16, at TP=1 then TP=2 (tokens/s in results.md)
-#   allreduce  the all-reduce share of the GPU kernel time of 256 tokens at TP=2 (ar and microspec; torch.profiler,
-#              CUDA graphs on: the NCCL kernels of the captured steps count too), and each rank's target weights
+#   allreduce  at TP=2 (ar and microspec): tokens/s, ms a step, the same step's all-reduces timed alone in a CUDA
+#              graph (their share of a step), and each rank's target weights
 #   dp         `serve --gpus 0` vs `serve --gpus 0,1`: 64 requests at concurrency 16 (output tok/s of each)
 # mpirun needs --allow-run-as-root as root; serving needs what benchmarks/gpu_serve_check.sh describes (STUB_SITE).
 set -euo pipefail
@@ -42,21 +42,36 @@ EOF
     allreduce)
       for m in ar microspec; do
         "${MPI[@]}" python3 - "$KEY" "$HEAD" $m "$PROMPT" "$TOKENS" <<'EOF' | tee "$OUT/allreduce_$m.txt"
-import sys, torch
-from torch.profiler import ProfilerActivity, profile
+import sys, time, torch
 from trtllm_microspec import LLM, parallel
 key, head, method, prompt, tokens = sys.argv[1:]
 llm = LLM(key, method, draft=head if method != "ar" else None, tp=2)
 llm.generate(prompt, int(tokens), chat=True)  # warm-up: CUDA-graph capture
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    r = llm.generate(prompt, int(tokens), chat=True)
-    torch.cuda.synchronize()
-ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-total = sum(e.self_device_time_total for e in ev)
-nccl = sum(e.self_device_time_total for e in ev if "nccl" in e.key.lower())
+r = llm.generate(prompt, int(tokens), chat=True)
+steps = r.stats["rounds"] or r.stats["new_tokens"]
+step_ms = r.stats["wall_s"] / steps * 1e3
+# the collectives of one target pass alone: 2 all-reduces a layer over the rows a step runs (AR 1, a tree
+# total_tokens), captured in one CUDA graph as the engine captures them (zeros: the sums stay finite)
+c = llm.target.cfg
+rows = 1 if method == "ar" else llm.executor.tree.total_tokens
+x = torch.zeros(rows, c.hidden_size, dtype=llm.target.cache.k.dtype, device="cuda")
+for _ in range(3):
+    parallel.all_reduce(x)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    for _ in range(2 * c.num_layers):
+        parallel.all_reduce(x)
+g.replay()
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(100):
+    g.replay()
+torch.cuda.synchronize()
+ar_ms = (time.perf_counter() - t0) / 100 * 1e3
 weights = sum(p.numel() * p.element_size() for p in llm.target.parameters()) / 2**30
-print(f"rank {parallel.rank()} {method}: {r.stats['tokens_per_s']:.1f} tok/s, all-reduce/gather kernels "
-      f"{nccl / total:.1%} of {total / 1e3:.0f} ms GPU kernel time; target weights {weights:.2f} GiB on this GPU")
+print(f"rank {parallel.rank()} {method}: {r.stats['tokens_per_s']:.1f} tok/s, {step_ms:.2f} ms a step; "
+      f"its {2 * c.num_layers} all-reduces of [{rows}, {c.hidden_size}] alone {ar_ms:.3f} ms "
+      f"({ar_ms / step_ms:.1%} of a step); target weights {weights:.2f} GiB on this GPU")
 EOF
       done ;;
     dp)

@@ -192,3 +192,24 @@ def test_sampled_batch_equals_alone(method, engine_dir, ar):
         assert all(r.stats.round_tokens > r.stats.rounds for r in reqs[1:])
     sched.step()
     assert sched.blocks.used == 0
+
+
+def test_padding_rows(engine_dir, alone):
+    """3 requests in 4 batch slots: every round runs 4 rows (the batch-size bucket a CUDA graph is captured for),
+    the last a padding row in the padding slot. The requests still get AR's tokens, and the padding rows leave the
+    padding slot's MicroSpec window empty."""
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, **SPEC)
+    sched = llm.scheduler()
+    runner, rows = sched.runner, []
+    real_round = runner._round
+
+    def spy(Bb, top, S, mode):
+        rows.append((Bb, int((runner.inp[2, :Bb] == runner.pad).sum())))
+        real_round(Bb, top, S, mode)
+
+    runner._round = spy
+    reqs = [sched.add(llm.prompt_ids(p, c), m) for p, c, m in CASES[1:]]
+    sched.run(reqs)
+    assert [r.out for r in reqs] == alone[1:]
+    assert rows[0] == (4, 1)
+    assert (runner.vocab.ring[runner.pad] == -1).all() and (runner.vocab.id_of[runner.pad] == -1).all()

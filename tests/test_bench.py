@@ -138,6 +138,7 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
         assert one["concurrency"] == 1 and one["requests"] == 2
         assert [r["new_tokens"] for r in one["per_request"]] == [r["new_tokens"] for r in b["per_request"]]
         assert b["concurrency"] == 2 and b["requests"] == 2 and b["requests_per_s"] > 0 and b["output_tokens_per_s"] > 0
+        assert one["mismatches"] == b["mismatches"] == 0 and "ids" not in b  # fp32: every request emits AR's tokens
         # the batch decodes what the one-at-a-time run decoded for each first turn
         alone = {t["qid"]: t["new_tokens"] for t in res["runs"][name]["turns"] if t["turn"] == 0}
         assert {r["qid"]: r["new_tokens"] for r in b["per_request"]} == alone
@@ -155,7 +156,7 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
     assert [r.split(" | ")[:2] for r in table[2:]] == [["| ar", "1"], ["| ar", "2"], ["| microspec", "1"],
                                                       ["| microspec", "2"]]
     assert (tmp_path / "throughput_latency.png").exists()
-    assert all(len(r.split("|")) == 13 and " - " not in r for r in table)
+    assert all(len(r.split("|")) == 14 and " - " not in r for r in table)
 
 
 # ---- outside references: hf-compiled on the CPU, the conversions vLLM loads (vLLM itself runs on the GPU only)

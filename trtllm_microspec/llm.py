@@ -195,14 +195,12 @@ class LLM:
                 raise UserError("the batched engine runs on one device; with --tp give one prompt at a time")
             from .engine.runner import BatchRunner, SpecRunner
             from .engine.scheduler import Scheduler
-            from .vocab.batched import batch_vocab
             if self.method == "ar":
                 runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs)
             else:
                 e = self.executor
-                vocab = batch_vocab(e.vocab, self.max_batch)  # shared rows, or a MicroSpec window per slot
-                runner = SpecRunner(self.target, e.draft, vocab, e.tree, e.k_pre, e.k_ver, self.max_batch,
-                                    self.kv_memory)
+                runner = SpecRunner(self.target, e.draft, e.vocab, e.tree, e.k_pre, e.k_ver, self.max_batch,
+                                    self.kv_memory, self.cuda_graphs)
             self._scheduler = Scheduler(runner, self.max_batch)
         return self._scheduler
 

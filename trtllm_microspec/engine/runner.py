@@ -4,7 +4,8 @@ prefill of one request, and one target pass per step for the whole batch.
 Each running request holds a batch slot: its row of the block table lives on the device from join to leave.
 A step's inputs (last token, committed length, slot of each row) are copied from the host into one persistent
 buffer, so the step itself has no host reads; on CUDA it is captured in a graph per (batch-size bucket, span
-bucket, sampling mode) and replayed, rows past the real batch padded with a greedy request of length 0 whose table
+bucket, sampling mode) and replayed. Rows past the real batch (up to the batch-size bucket, on every device, so the
+CPU tests run what the graphs capture) are padding: a greedy request of length 0 in the padding slot, whose table
 points at the pool's block 0 (never handed out).
 
 Sampling: each batch slot is a row of one Sampler (spec/sampling.py), set when a request joins, with its own
@@ -24,6 +25,7 @@ from ..models.registry import UserError
 from ..spec.batch_tree import accept, draft_trees, physical, verify
 from ..spec.sampling import Sampler
 from ..spec.tree import TreeConfig, causal
+from ..vocab.batched import batch_vocab
 from .block_manager import BlockManager, pool_blocks
 from .executor import PREFILL_CHUNK
 from .graphs import GraphRunner, bucket_for
@@ -110,22 +112,34 @@ class BatchRunner:
         self.sampler.next([req.slot])
         return self.sampler.choose(logits, req.slot, 0, self.sampler.mode([req.slot]))
 
+    def prepare(self, reqs: list, rows: int) -> tuple[int, str]:
+        """The host side of a step: each request's (last token, committed length, batch slot) into the persistent
+        input buffer, `rows` - len(reqs) padding rows after them, the sampling rows' uniforms (drawn outside the
+        graph, which reads them from the sampler's buffer). Returns the KV span S (a bucket under CUDA graphs)
+        and the sampling mode: with the row count, what a step's graph is keyed by."""
+        pad = [(0, 0, self.pad)] * (rows - len(reqs))
+        self.inp[:, :rows].copy_(torch.tensor([(r.last, r.n, r.slot) for r in reqs] + pad).T)
+        slots = [r.slot for r in reqs]
+        self.sampler.next(slots)
+        S = max(r.n for r in reqs) + self.reserve
+        if self.graphs:
+            S = bucket_for(S, self.target.cfg.max_seq_len)
+        return S, self.sampler.mode(slots)
+
+    def launch(self, key: tuple, fn) -> None:
+        """Run a step: eagerly, or through the CUDA graph of its key (greedy and sampling steps differ)."""
+        if self.graphs:
+            self.graphs.begin_round(key)
+            self.graphs("step", key, fn)
+        else:
+            fn()
+
     def decode(self, reqs: list) -> list[list[int]]:
         """One AR step for the batch: one target pass over one row per request."""
         B = len(reqs)
-        Bb = batch_bucket(B, self.max_batch) if self.graphs else B
-        rows = [(r.last, r.n, r.slot) for r in reqs] + [(0, 0, self.pad)] * (Bb - B)
-        self.inp[:, :Bb].copy_(torch.tensor(rows).T)
-        S = max(r.n for r in reqs) + 1
-        slots = [r.slot for r in reqs]
-        self.sampler.next(slots)  # outside the graph, which reads the uniforms from the sampler's buffer
-        mode = self.sampler.mode(slots)
-        if self.graphs:
-            S = bucket_for(S, self.target.cfg.max_seq_len)
-            self.graphs.begin_round((Bb, S, mode))  # greedy and sampling steps are different graphs
-            self.graphs("decode", (Bb, S, mode), lambda: self._decode(Bb, S, mode))
-        else:
-            self._decode(Bb, S, mode)
+        Bb = batch_bucket(B, self.max_batch)
+        S, mode = self.prepare(reqs, Bb)
+        self.launch((Bb, S, mode), lambda: self._decode(Bb, S, mode))
         out = self.next[:B].tolist()  # the one host read per step
         for r, tok in zip(reqs, out):
             r.n += 1
@@ -141,24 +155,28 @@ class BatchRunner:
 
 class SpecRunner(BatchRunner):
     """Batched EAGLE-2 rounds (eagle, frspec, microspec): every request drafts its own tree through its own
-    draft vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. `vocab`
-    (vocab/batched.py) serves the whole batch at once: shared full/static rows, or a MicroSpec window (ring,
-    counts, active ids, packed head rows) per batch slot, reset when a request joins. The rounds run eagerly
-    (no CUDA graphs yet), and a prompt is prefilled in one piece (the draft's prefill needs the token after
-    each position)."""
+    draft vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. The
+    single-request vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec
+    window (ring, counts, active ids, packed head rows) per batch slot, reset when a request joins. A round is
+    one device step with no host read but the one of its results, captured in a CUDA graph per (rows bucket,
+    head slots bucket, span bucket, sampling mode); padding rows leave every window as it is. A prompt is
+    prefilled eagerly in one piece (the draft's prefill needs the token after each position)."""
 
     chunked = False
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
-                 max_batch: int, kv_memory: float | None = None):
+                 max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False):
         reserve = max(tree.total_tokens, tree.max_path + tree.draft_slots)
-        super().__init__(target, max_batch, kv_memory, cuda_graphs=False, extra_layers=1, reserve=reserve,
+        super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1, reserve=reserve,
                          levels=tree.max_path)
         self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
         dev = self.device
         self.dcache = KVCache(draft.cfg, 1, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
-        self.vocab = vocab
+        self.vocab = batch_vocab(vocab, max_batch + 1)  # the padding slot too: padding rows read it
         self.h_last = torch.zeros(max_batch + 1, target.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
+        self.steps = torch.arange(tree.max_path, device=dev)
+        # what the host reads after a round, per row: accepted k, vocabulary size, covered, emitted tokens
+        self.out = torch.zeros(max_batch, 3 + tree.max_path, dtype=torch.long, device=dev)
 
     def prefill(self, req, chunk: int) -> list[int]:
         """The whole prompt: target prefill, the window's start (top-K_pre), the draft's prefill."""
@@ -182,18 +200,31 @@ class SpecRunner(BatchRunner):
 
     def decode(self, reqs: list) -> list[list[int]]:
         """One draft / verify / update round for the batch."""
+        B = len(reqs)
+        Bb = batch_bucket(B, self.max_batch)
+        # the batched draft head multiplies slots 0 .. top-1 in place (vocab/batched.py): top covers every slot
+        top = batch_bucket(max(r.slot for r in reqs) + 1, self.max_batch)
+        S, mode = self.prepare(reqs, Bb)
+        self.launch((Bb, top, S, mode), lambda: self._round(Bb, top, S, mode))
+        out = []
+        for r, (k, size, covered, *emitted) in zip(reqs, self.out[:B].tolist()):  # the one host read per round
+            s = r.stats
+            s.rounds += 1
+            s.round_tokens += k + 1
+            s.vocab_sum += size
+            s.vocab_max = max(s.vocab_max, size)
+            s.covered += covered
+            r.n += k + 1
+            r.last = emitted[k]
+            out.append(emitted[:k + 1])
+        return out
+
+    def _round(self, Bb: int, top: int, S: int, mode: str) -> None:
         t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.tree, self.device
-        B, P = len(reqs), cfg.max_path
-        slot_ids = [r.slot for r in reqs]
-        slots = torch.tensor(slot_ids, device=dev)
-        top = max(r.slot for r in reqs) + 1
-        n = torch.tensor([r.n for r in reqs], device=dev)
-        root = torch.tensor([r.last for r in reqs], device=dev)
+        P, steps = cfg.max_path, self.steps
+        root, n, slots = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
         table = self.table.index_select(0, slots)
-        S = max(r.n for r in reqs) + self.reserve
-        self.sampler.next(slot_ids)
-        mode = self.sampler.mode(slot_ids)
-        temperature = self.sampler.draft_temperature(slots, mode)  # [B, 1]
+        temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
 
         def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
             return vocab.head(h if temperature is None else h / temperature[:, None], slots, top, k)
@@ -202,32 +233,21 @@ class SpecRunner(BatchRunner):
         hid, logits = verify(t, self.cache, tree, n, table, S)
         N, V = tree.tokens.shape[1], logits.shape[-1]
         # greedy rows: the argmax of every node; sampling rows: one draw per node with their tree level's uniform
-        choice = self.sampler.choose(logits.view(B * N, V), slots.repeat_interleave(N), tree.depth.flatten(), mode)
-        path, k, emitted = accept(tree, choice.view(B, N), P)
-        steps = torch.arange(P, device=dev)
+        choice = self.sampler.choose(logits.view(Bb * N, V), slots.repeat_interleave(N), tree.depth.flatten(), mode)
+        path, k, emitted = accept(tree, choice.view(Bb, N), P)
         valid = steps[None, :] <= k[:, None]
         size = vocab.size(slots)
         covered = (vocab.contains(slots, emitted) & valid).sum(1)
-        ver = logits.gather(1, path[:, :, None].expand(B, P, V)).topk(self.k_ver, -1).indices
+        ver = logits.gather(1, path[:, :, None].expand(Bb, P, V)).topk(self.k_ver, -1).indices
         ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
         self.cache.move(physical(table, n[:, None] + path).flatten(), physical(table, n[:, None] + steps).flatten())
-        vocab.update(slots, tree.tokens[:, 1:], ver)  # the gathers run on the copy stream, behind the draft forward
+        real = (slots != self.pad)[:, None]  # a padding row adds nothing to the padding slot's window
+        # the gathers run on the copy stream, behind the draft forward
+        vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), torch.where(real, ver, -1))
         pos = (n[:, None] + steps).flatten()
-        hid_path = hid.gather(1, path[:, :, None].expand(B, P, hid.shape[-1])).flatten(0, 1)
-        h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal(P, dev).expand(B, P, P), S, table),
-                     cache=self.dcache).view(B, P, -1)
-        self.h_last[slots] = h.gather(1, k[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]
+        hid_path = hid.gather(1, path[:, :, None].expand(Bb, P, hid.shape[-1])).flatten(0, 1)
+        h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal(P, dev).expand(Bb, P, P), S, table),
+                     cache=self.dcache).view(Bb, P, -1)
+        self.h_last[slots] = h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
         vocab.join()
-        rows = torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1).tolist()  # the one host read
-        out = []
-        for r, (kk, sz, cov, *em) in zip(reqs, rows):
-            s = r.stats
-            s.rounds += 1
-            s.round_tokens += kk + 1
-            s.vocab_sum += sz
-            s.vocab_max = max(s.vocab_max, sz)
-            s.covered += cov
-            r.n += kk + 1
-            r.last = em[kk]
-            out.append(em[:kk + 1])
-        return out
+        self.out[:Bb].copy_(torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1))

@@ -19,12 +19,12 @@ from plugins import ops
 from .strategies import WindowVocab
 
 
-def batch_vocab(vocab, max_batch: int):
+def batch_vocab(vocab, slots: int):
     """The single-request vocabulary -> the batched engine's: shared rows, or a window per batch slot."""
     if isinstance(vocab, WindowVocab):
         if not (vocab.use_prompt and vocab.use_rounds and vocab.use_packed):
             raise ValueError("the batched engine runs the microspec window only, not its ablations")
-        return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned.tolist(), max_batch)
+        return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned.tolist(), slots)
     return SharedVocab(vocab)
 
 
@@ -180,13 +180,15 @@ class BatchWindow:
 
     def head(self, hidden: torch.Tensor, batch: torch.Tensor, top: int, k: int):
         """ops.packed_head per request: hidden [B, T, d] -> (logp [B, T, k] fp32, ids [B, T, k]) over each
-        request's own packed rows. One bmm over slots 0 .. top-1 (top > every slot of batch) reads the packed
-        rows in place instead of copying B x R x d; a free slot below top costs one wasted GEMM of the batch."""
+        request's own packed rows. One bmm over slots 0 .. top-1 (top > every real slot of batch) reads the packed
+        rows in place instead of copying B x R x d; a free slot below top costs one wasted GEMM of the batch.
+        A padding row (slot >= top) reads slot top-1's rows and adds nothing to its input (an exact + 0)."""
         B, T, d = hidden.shape
         R = self.R
-        h = hidden.new_zeros(top, T, d).index_copy_(0, batch, hidden)
-        logits = torch.bmm(h, self.packed[:top, :R].transpose(1, 2)).index_select(0, batch).float()
-        id_of = self.id_of[batch, None, :R]
+        read = batch.clamp(max=top - 1)
+        h = hidden.new_zeros(top, T, d).index_add_(0, read, torch.where((batch < top)[:, None, None], hidden, 0))
+        logits = torch.bmm(h, self.packed[:top, :R].transpose(1, 2)).index_select(0, read).float()
+        id_of = self.id_of[read, None, :R]
         logits = logits.masked_fill(id_of < 0, float("-inf"))
         logp, col = torch.log_softmax(logits, -1).topk(k, dim=-1)
         return logp, id_of.expand(B, T, R).gather(2, col).clamp(min=0)  # an empty slot only wins at -inf
