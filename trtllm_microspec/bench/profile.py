@@ -3,7 +3,8 @@
 Phases, each the median of --iters CUDA-graph replays timed with CUDA events, and the number of GPU kernels it
 launches (counted with torch.profiler on one eager run): one AR step (1 token + LM head + argmax), one tree
 verify (--tree nodes + LM head), one EAGLE-2 draft phase (depth + 1 draft forwards and full-vocabulary heads),
-and a prefill of --prefill tokens. Each on the Triton layer kernels and on the torch reference (the plain path)
+a prefill of --prefill tokens, and the batched engine's AR step for each --batch size (one token per request, paged
+KV). Each on the Triton layer kernels and on the torch reference (the plain path)
 in the same run. Then one decoder layer at T = 1, piece by piece: time, the bytes it must move (weights, the KV
 it reads) and the bandwidth against the 4.2 TB/s copy bandwidth. --context committed tokens precede each step.
 """
@@ -14,9 +15,10 @@ import argparse
 import torch
 
 from plugins import layers
+from plugins.layers import KV_BLOCK
 from plugins.check_layers import random_tree
 
-from ..models.model import Span
+from ..models.model import KVCache, Span
 from ..models.registry import UserError
 from ..spec.tree import TreeConfig, causal, draft_tree, verify
 from .kernels import COPY_BW, Timer, write_report
@@ -72,6 +74,13 @@ def run(a) -> None:
         f"prefill ({L} tokens)": lambda: target(ids[:L], torch.arange(L, device=dev), torch.arange(L, device=dev),
                                                 Span(zero, causal(L, dev), L)),
     }
+    blocks = S // KV_BLOCK  # the batched engine's AR step: B requests of --context tokens, in one paged pool
+    pool = KVCache(c, c.num_layers, torch.bfloat16, dev, slots=max(a.batch) * blocks * KV_BLOCK)
+    for B in a.batch:
+        nb, table = n.expand(B).contiguous(), torch.arange(B * blocks, device=dev).view(B, blocks)
+        span = Span(nb, one.expand(B, 1, 1), S, table)
+        phases[f"AR step, batch of {B} (paged KV)"] = (
+            lambda nb=nb, span=span: target.logits(target(ids[:nb.numel()], nb, nb, span, cache=pool)).argmax(-1))
     timer = Timer(a.iters)
     rows = []
     for name, fn in phases.items():
@@ -153,6 +162,8 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=512, help="committed tokens before the step")
     p.add_argument("--tree", type=int, default=60, help="tree-verify tokens")
     p.add_argument("--prefill", type=int, default=1000, help="prefill tokens")
+    p.add_argument("--batch", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16],
+                   help="comma list: batch sizes of the batched engine's AR step (paged KV)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", help="write the markdown here and JSON beside it")
     p.set_defaults(func=run)
