@@ -77,7 +77,7 @@ def run(a) -> None:
     blocks = S // KV_BLOCK  # the batched engine's AR step: B requests of --context tokens, in one paged pool
     pool = KVCache(c, c.num_layers, torch.bfloat16, dev, slots=max(a.batch) * blocks * KV_BLOCK)
     for B in a.batch:
-        nb, table = n.expand(B).contiguous(), torch.arange(B * blocks, device=dev).view(B, blocks)
+        nb, table = torch.full((B,), a.context, device=dev), torch.arange(B * blocks, device=dev).view(B, blocks)
         span = Span(nb, one.expand(B, 1, 1), S, table)
         phases[f"AR step, batch of {B} (paged KV)"] = (
             lambda nb=nb, span=span: target.logits(target(ids[:nb.numel()], nb, nb, span, cache=pool)).argmax(-1))
