@@ -338,7 +338,8 @@ def cmd_bench(a) -> None:
             s["speedup"] = s["speed"] / ar[c]["speed"]
         mism = [] if sampling else compare(ids, ar_ids)
         for level in batched or []:  # greedy: each request of a batch emits AR's first turn alone
-            level["mismatches"] = None if sampling else len(compare(level.pop("ids"), ar_ids))
+            level_ids = level.pop("ids")
+            level["mismatches"] = None if sampling else len(compare(level_ids, ar_ids))
         res["runs"][label] = {**run, "lossless": None if sampling else not mism, "mismatches": mism, "summary": summary,
                               "turns": records, "batched": batched}
         s = summary["overall"]
