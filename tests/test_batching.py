@@ -213,3 +213,10 @@ def test_padding_rows(engine_dir, alone):
     assert [r.out for r in reqs] == alone[1:]
     assert rows[0] == (4, 1)
     assert (runner.vocab.ring[runner.pad] == -1).all() and (runner.vocab.id_of[runner.pad] == -1).all()
+
+
+def test_sampled_batch_bf16(engine_dir):
+    """bf16 weights, sampled: the draft's hidden / temperature (fp32) meets the bf16 packed rows of every window."""
+    llm = LLM(engine_dir, "microspec", device="cpu", dtype="bfloat16", max_batch=2, **SPEC)
+    results = llm.generate([CASES[1][0], CASES[3][0]], 6, temperature=0.8, seed=1)
+    assert [r.num_new_tokens for r in results] == [6, 6] and all(r.stats["rounds"] > 0 for r in results)
