@@ -41,7 +41,8 @@ EOF
         --limit "$LIMIT" --max-new-tokens "$TOKENS" --out "$OUT/speed_tp2" ;;
     allreduce)
       for m in ar microspec; do
-        "${MPI[@]}" python3 - "$KEY" "$HEAD" $m "$PROMPT" "$TOKENS" <<'EOF' | tee "$OUT/allreduce_$m.txt"
+        # the script goes to a file: mpirun hands stdin to rank 0 only (rank 1 would wait at NCCL's init forever)
+        cat > "$OUT/allreduce.py" <<'EOF'
 import sys, time, torch
 from trtllm_microspec import LLM, parallel
 key, head, method, prompt, tokens = sys.argv[1:]
@@ -73,6 +74,7 @@ print(f"rank {parallel.rank()} {method}: {r.stats['tokens_per_s']:.1f} tok/s, {s
       f"its {2 * c.num_layers} all-reduces of [{rows}, {c.hidden_size}] alone {ar_ms:.3f} ms "
       f"({ar_ms / step_ms:.1%} of a step); target weights {weights:.2f} GiB on this GPU")
 EOF
+        "${MPI[@]}" python3 "$OUT/allreduce.py" "$KEY" "$HEAD" $m "$PROMPT" "$TOKENS" | tee "$OUT/allreduce_$m.txt"
       done ;;
     dp)
       for gpus in 0 0,1; do
