@@ -20,6 +20,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from .. import parallel
@@ -247,6 +248,8 @@ class TritonPythonModel:
     def _loop(self) -> None:
         """The engine loop: the only thread that runs the model. Each turn takes the new requests, ends the
         cancelled ones, runs one step of the batch and one step of the single-request path's current request."""
+        if self.llm.device.type == "cuda":  # the current GPU is per thread (an instance of serve --gpus 0,1 on GPU 1)
+            torch.cuda.set_device(self.llm.device)
         while self._take():
             stopping = self._stopping()
             for job in [*self.batch.values(), *self.singles]:
