@@ -216,7 +216,9 @@ def test_padding_rows(engine_dir, alone):
 
 
 def test_sampled_batch_bf16(engine_dir):
-    """bf16 weights, sampled: the draft's hidden / temperature (fp32) meets the bf16 packed rows of every window."""
+    """bf16 weights, sampled, alone and batched: the draft's hidden / temperature (fp32 knobs) meets the bf16 head
+    rows."""
     llm = LLM(engine_dir, "microspec", device="cpu", dtype="bfloat16", max_batch=2, **SPEC)
+    assert llm.generate(CASES[1][0], 6, temperature=0.8, seed=1).num_new_tokens == 6
     results = llm.generate([CASES[1][0], CASES[3][0]], 6, temperature=0.8, seed=1)
     assert [r.num_new_tokens for r in results] == [6, 6] and all(r.stats["rounds"] > 0 for r in results)

@@ -227,7 +227,7 @@ class SpecRunner(BatchRunner):
         temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
 
         def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
-            return vocab.head(h if temperature is None else h / temperature[:, None], slots, top, k)
+            return vocab.head(h if temperature is None else (h / temperature[:, None]).to(h.dtype), slots, top, k)
 
         tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
         hid, logits = verify(t, self.cache, tree, n, table, S)

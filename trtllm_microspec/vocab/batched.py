@@ -186,7 +186,6 @@ class BatchWindow:
         B, T, d = hidden.shape
         R = self.R
         read = batch.clamp(max=top - 1)
-        hidden = hidden.to(self.packed.dtype)  # a sampling draft's hidden / temperature comes in fp32
         h = hidden.new_zeros(top, T, d).index_add_(0, read, torch.where((batch < top)[:, None, None], hidden, 0))
         logits = torch.bmm(h, self.packed[:top, :R].transpose(1, 2)).index_select(0, read).float()
         id_of = self.id_of[read, None, :R]
