@@ -88,6 +88,7 @@ EOF
         ms client --url 127.0.0.1:8101 --chat --prompt "$PROMPT" --max-tokens "$TOKENS" --concurrency 16 \
           --requests 64 | tee "$OUT/dp_gpus_$gpus.txt"
         kill $SERVE && wait $SERVE || true
+        while pgrep -f "bin/tritonserve[r]" > /dev/null; do sleep 1; done  # the next server needs the ports
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -109,7 +109,7 @@ class LLM:
         self.device, dtype = pick_device(device, dtype)
         if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
             self.device = parallel.init(tp, self.device, tp_timeout)
-        if self.device.type == "cuda":  # Triton kernels launch on the thread's current GPU, not the tensors' one
+        if self.device.index is not None:  # Triton kernels launch on the thread's current GPU, not the tensors' one
             torch.cuda.set_device(self.device)
         self.target, self.tokenizer = load_target(self.engine_dir, self.device, dtype, max_seq_len,
                                                   draft_head=method != "ar")

@@ -248,7 +248,7 @@ class TritonPythonModel:
     def _loop(self) -> None:
         """The engine loop: the only thread that runs the model. Each turn takes the new requests, ends the
         cancelled ones, runs one step of the batch and one step of the single-request path's current request."""
-        if self.llm.device.type == "cuda":  # the current GPU is per thread (an instance of serve --gpus 0,1 on GPU 1)
+        if self.llm.device.index is not None:  # the current GPU is per thread (serve --gpus 0,1: the one on GPU 1)
             torch.cuda.set_device(self.llm.device)
         while self._take():
             stopping = self._stopping()
