@@ -6,7 +6,7 @@
 #   speed      Spec-Bench + HumanEval, ar and microspec with $HEAD, bf16, at TP=1 then TP=2 (tokens/s in results.md)
 #   allreduce  at TP=2 (ar and microspec): tokens/s, ms a step, the same step's all-reduces timed alone in a CUDA
 #              graph (their share of a step), and each rank's target weights
-#   dp         `serve --gpus 0` vs `serve --gpus 0,1`: 64 requests at concurrency 16 (output tok/s of each)
+#   dp         `serve --gpus 0` vs `serve --gpus 0,1`: 4 x c requests at concurrency c = 16 and 32 (output tok/s)
 # mpirun needs --allow-run-as-root as root; serving needs what benchmarks/gpu_serve_check.sh describes (STUB_SITE).
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
@@ -78,17 +78,19 @@ EOF
       done ;;
     dp)
       for gpus in 0 0,1; do
-        ms serve --engine "$KEY" --draft "$HEAD" --gpus $gpus --stub-site "$STUB_SITE" --grpc-port 8101 \
-          --http-port 8100 --metrics-port 8102 > "$OUT/serve_$gpus.out" 2>&1 &
+        # python itself in the background (not the `ms` function's subshell), so that `kill` reaches the server
+        python3 -m trtllm_microspec.cli serve --engine "$KEY" --draft "$HEAD" --gpus $gpus --stub-site "$STUB_SITE" \
+          --grpc-port 8101 --http-port 8100 --metrics-port 8102 > "$OUT/serve_$gpus.out" 2>&1 &
         SERVE=$!
-        until grep -q ready "$OUT/serve_$gpus.out"; do
+        until grep -q "ready in" "$OUT/serve_$gpus.out"; do
           kill -0 $SERVE 2>/dev/null || { cat "$OUT/serve_$gpus.out"; exit 1; }
           sleep 2
         done
-        ms client --url 127.0.0.1:8101 --chat --prompt "$PROMPT" --max-tokens "$TOKENS" --concurrency 16 \
-          --requests 64 | tee "$OUT/dp_gpus_$gpus.txt"
+        for c in 16 32; do
+          ms client --url 127.0.0.1:8101 --chat --prompt "$PROMPT" --max-tokens "$TOKENS" --concurrency $c \
+            --requests $((4 * c)) | tee "$OUT/dp_gpus_${gpus}_c$c.txt"
+        done
         kill $SERVE && wait $SERVE || true
-        while pgrep -f "bin/tritonserve[r]" > /dev/null; do sleep 1; done  # the next server needs the ports
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
