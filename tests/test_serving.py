@@ -365,3 +365,14 @@ def _cmdline(p: Path) -> bytes:
         return (p / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_port_in_use(tmp_path):
+    """A port another process listens on is refused before tritonserver starts (its readiness answers would
+    otherwise come from the other server: seen on the H200 with two servers in a row)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        http, grpc, metrics = free_ports(2) + [busy.getsockname()[1]]
+        with pytest.raises(UserError, match=f"port {metrics} on 127.0.0.1 is in use"):
+            TritonServer(tmp_path, http_port=http, grpc_port=grpc, metrics_port=metrics)

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -128,6 +129,14 @@ class TritonServer:
     def __init__(self, repo: Path, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, exit_timeout: int = 5, log_file: Path | None = None,
                  stub_site_dir: Path | None = None):
+        for port in (http_port, grpc_port, metrics_port):  # else another server's answers look like ours
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a listener fails it, TIME_WAIT not
+                try:
+                    probe.bind((host, port))
+                except OSError:
+                    raise UserError(f"port {port} on {host} is in use (another server?): choose other ports with "
+                                    f"--http-port / --grpc-port / --metrics-port") from None
         self.repo, self.host = Path(repo).resolve(), host
         self.stub_site = stub_site(stub_site_dir)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
