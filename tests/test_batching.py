@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trtllm_microspec import LLM
+from trtllm_microspec.engine import scheduler
 from trtllm_microspec.engine.block_manager import GIB
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.spec.sampling import SamplingParams
@@ -33,9 +34,14 @@ def alone(ar):
     return out
 
 
-def test_ar_batch_equals_alone(ar, alone):
-    """4 requests over 3 batch slots, one cancelled after 3 tokens: the last joins the running batch then."""
+def test_ar_batch_equals_alone(ar, alone, monkeypatch):
+    """4 requests over 3 batch slots, one cancelled after 3 tokens: the last joins the running batch then. A
+    prefill budget of 24 tokens a step splits the prompts into chunks, and one pass prefills the chunks of several
+    requests (padded to the longest) while others decode."""
+    monkeypatch.setattr(scheduler, "PREFILL_BUDGET", 24)
     sched = ar.scheduler()
+    passes, real_prefill = [], sched.runner.prefill
+    monkeypatch.setattr(sched.runner, "prefill", lambda chunks: passes.append(chunks) or real_prefill(chunks))
     reqs = [sched.add(ar.prompt_ids(p, c), m) for p, c, m in CASES]
     cancel = reqs[1]
     sched.step()
@@ -56,6 +62,9 @@ def test_ar_batch_equals_alone(ar, alone):
     assert reqs[0].stats.stop_reason == "eos" and reqs[2].stats.stop_reason == "max_tokens"
     sched.step()  # the boundary after the last step
     assert sched.idle and sched.blocks.used == 0 and len(sched.runner.free_slots) == 3
+    chunk_lengths = [[c for _, c in chunks] for chunks in passes]
+    assert max(map(len, chunk_lengths)) >= 3 and max(map(sum, chunk_lengths)) == 24, chunk_lengths
+    assert any(len(set(lengths)) > 1 for lengths in chunk_lengths)  # padding rows
 
 
 def test_generate_list(ar, alone):
@@ -91,14 +100,17 @@ def test_waits_for_blocks(engine_dir, ar, alone):
 
 
 def test_error_and_refusals_return_blocks(ar, monkeypatch):
+    """A prefill that fails fails the requests of its pass; the running batch goes on."""
     sched = ar.scheduler()
-    ok, bad = sched.add([1, 2, 3], 4), sched.add([4, 5, 6], 4)
+    ok = sched.add([1, 2, 3], 4)
+    sched.step()  # ok's prompt is in; bad comes after
+    bad = sched.add([4, 5, 6], 4)
     real = sched.runner.prefill
 
-    def prefill(req, chunk):
-        if req is bad:
+    def prefill(chunks):
+        if any(req is bad for req, _ in chunks):
             raise RuntimeError("boom")
-        return real(req, chunk)
+        return real(chunks)
 
     monkeypatch.setattr(sched.runner, "prefill", prefill)
     sched.run([ok, bad])

@@ -1,5 +1,5 @@
 """The model runner of the batched engine: a paged KV pool, per-request device state in batch slots, chunked
-prefill of one request, and one target pass per step for the whole batch.
+prefill of the joining requests in one pass, and one target pass per step for the whole batch.
 
 Each running request holds a batch slot: its row of the block table lives on the device from join to leave.
 A step's inputs (last token, committed length, slot of each row) are copied from the host into one persistent
@@ -28,6 +28,7 @@ from ..spec.tree import TreeConfig, causal
 from ..vocab.batched import batch_vocab
 from .block_manager import BlockManager, pool_blocks
 from .executor import PREFILL_CHUNK
+from .scheduler import PREFILL_BUDGET
 from .graphs import GraphRunner, bucket_for
 
 DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / GiB on the CPU
@@ -53,7 +54,8 @@ class BatchRunner:
         layers = c.num_layers + extra_layers  # the draft's pool shares the block ids (one table for both)
         # k and v of every layer, plus the slot positions (int64) of up to two pools
         per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
-        width = -(-c.max_seq_len // KV_BLOCK)  # table columns: S buckets reach up to max_seq_len
+        # table columns: S buckets reach up to max_seq_len, a padded prefill chunk up to PREFILL_BUDGET past it
+        width = -(-(c.max_seq_len + PREFILL_BUDGET) // KV_BLOCK)
         self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), c.max_seq_len // KV_BLOCK)
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
         # one table row per batch slot, plus the padding slot (all block 0)
@@ -92,20 +94,32 @@ class BatchRunner:
             heapq.heappush(self.free_slots, req.slot)
             req.slot = -1
 
-    def prefill(self, req, chunk: int) -> list[int] | None:
-        """The next `chunk` prompt tokens of one request; its first token once the whole prompt is in."""
-        t, a = self.target, req.prefilled
-        b = a + chunk
-        ids = torch.tensor(req.prompt[a:b], device=self.device)
-        pos = torch.arange(a, b, device=self.device)
-        n = torch.tensor([a], device=self.device)
-        h = t(ids, pos, pos, Span(n, causal(chunk, self.device), b, self.table[req.slot:req.slot + 1]),
-              cache=self.cache)
-        req.prefilled = req.n = b
-        if b < len(req.prompt):
-            return None
-        req.last = int(self.first_token(req, t.logits(h[-1:])))
-        return [req.last]
+    def prefill(self, chunks: list[tuple]) -> list[list[int] | None]:
+        """The next prompt chunk of each (request, chunk length) in one target pass of B requests x T rows (T the
+        longest chunk): one pass instead of one per request, whose launches dominate an eager prefill. A shorter
+        chunk is padded with rows after its own; they write the request's next slots (written again before anything
+        reads them) or, past its blocks, the pool's block 0, and their outputs are dropped. Returns each request's
+        first token once its whole prompt is in, else None."""
+        t, dev, B = self.target, self.device, len(chunks)
+        T = max(c for _, c in chunks)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, (req, c) in enumerate(chunks):
+            ids[b, :c] = torch.tensor(req.prompt[req.prefilled:req.prefilled + c])
+        start = torch.tensor([req.prefilled for req, _ in chunks])
+        slots = (start[:, None] + torch.arange(T)).to(dev)
+        pos = slots.clamp(max=t.cfg.max_seq_len - 1)  # a padding row may reach past the rotary table
+        table = self.table.index_select(0, torch.tensor([req.slot for req, _ in chunks], device=dev))
+        span = Span(start.to(dev), causal(T, dev).expand(B, T, T), int(start.max()) + T, table)
+        h = t(ids.to(dev).flatten(), pos.flatten(), slots.flatten(), span, cache=self.cache).view(B, T, -1)
+        out = []
+        for b, (req, c) in enumerate(chunks):
+            req.prefilled = req.n = req.prefilled + c
+            if req.prefilling:
+                out.append(None)
+                continue
+            req.last = int(self.first_token(req, t.logits(h[b, c - 1:c])))
+            out.append([req.last])
+        return out
 
     def first_token(self, req, logits: torch.Tensor) -> torch.Tensor:
         """The token after the prompt [1], from the first uniforms of the request's stream."""
@@ -178,7 +192,10 @@ class SpecRunner(BatchRunner):
         # what the host reads after a round, per row: accepted k, vocabulary size, covered, emitted tokens
         self.out = torch.zeros(max_batch, 3 + tree.max_path, dtype=torch.long, device=dev)
 
-    def prefill(self, req, chunk: int) -> list[int]:
+    def prefill(self, chunks: list[tuple]) -> list[list[int]]:
+        return [self.prefill_one(req) for req, _ in chunks]
+
+    def prefill_one(self, req) -> list[int]:
         """The whole prompt: target prefill, the window's start (top-K_pre), the draft's prefill."""
         t, d, dev = self.target, self.draft, self.device
         ids = torch.tensor(req.prompt, device=dev)

@@ -3,9 +3,9 @@
 `Scheduler.step()` is one boundary plus one step: finished and cancelled requests leave (their blocks go back
 at once), waiting requests join in order while the batch has room and the pool has their blocks (the first
 that does not fit holds the rest back, so a long request is not starved by short ones), prefill advances by
-at most `prefill_budget` prompt tokens (chunked: a long prompt does not stall the running batch for more than
-one chunk per step), and every request whose prompt is in the cache decodes one step together (one target
-pass for the batch). Each request samples with its own SamplingParams (greedy by default): its tokens are those it
+at most PREFILL_BUDGET prompt tokens (chunked: a long prompt does not stall the running batch for more than
+one chunk per step; the chunks of several requests go through one target pass), and every request whose prompt
+is in the cache decodes one step together (one target pass for the batch). Each request samples with its own SamplingParams (greedy by default): its tokens are those it
 gets alone with the same parameters and seed.
 """
 from __future__ import annotations
@@ -55,10 +55,10 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, runner, max_batch: int, prefill_budget: int = PREFILL_BUDGET):
+    def __init__(self, runner, max_batch: int):
         if max_batch < 1:
             raise UserError(f"max_batch must be at least 1, got {max_batch}")
-        self.runner, self.max_batch, self.prefill_budget = runner, max_batch, prefill_budget
+        self.runner, self.max_batch = runner, max_batch
         self.blocks: BlockManager = runner.blocks
         self.stop_ids = set(runner.stop_ids)
         self.waiting: deque[Request] = deque()
@@ -113,21 +113,25 @@ class Scheduler:
         ones included; `req.done` says it ended)."""
         self._boundary()
         emitted: list[tuple[Request, list[int]]] = []
-        budget = self.prefill_budget
+        budget, chunks = PREFILL_BUDGET, []
         for req in [r for r in self.running if r.prefilling]:
             if budget <= 0:
                 break
             rest = len(req.prompt) - req.prefilled
             chunk = min(budget, rest) if self.runner.chunked else rest
             budget -= chunk
+            chunks.append((req, chunk))
+        if chunks:
             try:
-                first = self.runner.prefill(req, chunk)
-            except Exception as e:  # this request fails, the batch goes on
-                self._fail(req, e)
-                continue
-            if first is not None:
-                req.t_first = time.perf_counter()
-                emitted.append((req, self._emit(req, first)))
+                firsts = self.runner.prefill(chunks)  # one pass for all of them
+            except Exception as e:  # these requests fail, the batch goes on
+                firsts = [None] * len(chunks)
+                for req, _ in chunks:
+                    self._fail(req, e)
+            for (req, _), first in zip(chunks, firsts):
+                if first is not None:
+                    req.t_first = time.perf_counter()
+                    emitted.append((req, self._emit(req, first)))
         just = {r.rid for r, _ in emitted}  # their first token came from the prefill: they decode next step
         ready = [r for r in self.running if r.out and not r.done and r.rid not in just]
         if ready:
