@@ -95,11 +95,25 @@ class BatchRunner:
             req.slot = -1
 
     def prefill(self, chunks: list[tuple]) -> list[list[int] | None]:
-        """The next prompt chunk of each (request, chunk length) in one target pass of B requests x T rows (T the
-        longest chunk): one pass instead of one per request, whose launches dominate an eager prefill. A shorter
-        chunk is padded with rows after its own; they write the request's next slots (written again before anything
-        reads them) or, past its blocks, the pool's block 0, and their outputs are dropped. Returns each request's
-        first token once its whole prompt is in, else None."""
+        """The next prompt chunk of each (request, chunk length), in one target pass. Returns each request's first
+        token once its whole prompt is in, else None."""
+        _, h, _, _ = self.target_prefill(chunks)
+        out = []
+        for b, (req, c) in enumerate(chunks):
+            req.prefilled = req.n = req.prefilled + c
+            if req.prefilling:
+                out.append(None)
+                continue
+            req.last = int(self.first_token(req, self.target.logits(h[b, c - 1:c])))
+            out.append([req.last])
+        return out
+
+    def target_prefill(self, chunks: list[tuple]):
+        """One target pass of B requests x T rows (T the longest chunk) instead of one pass per request, whose
+        launches dominate an eager prefill. A shorter chunk is padded with rows after its own; they write the
+        request's next slots (written again before anything reads them) or, past its blocks, the pool's block 0,
+        and their outputs are dropped. Returns ids [B, T], hidden [B, T, d], the rows' logical slots [B, T] and
+        their Span (the draft's prefill reuses them)."""
         t, dev, B = self.target, self.device, len(chunks)
         T = max(c for _, c in chunks)
         ids = torch.zeros(B, T, dtype=torch.long)
@@ -107,19 +121,14 @@ class BatchRunner:
             ids[b, :c] = torch.tensor(req.prompt[req.prefilled:req.prefilled + c])
         start = torch.tensor([req.prefilled for req, _ in chunks])
         slots = (start[:, None] + torch.arange(T)).to(dev)
-        pos = slots.clamp(max=t.cfg.max_seq_len - 1)  # a padding row may reach past the rotary table
         table = self.table.index_select(0, torch.tensor([req.slot for req, _ in chunks], device=dev))
         span = Span(start.to(dev), causal(T, dev).expand(B, T, T), int(start.max()) + T, table)
-        h = t(ids.to(dev).flatten(), pos.flatten(), slots.flatten(), span, cache=self.cache).view(B, T, -1)
-        out = []
-        for b, (req, c) in enumerate(chunks):
-            req.prefilled = req.n = req.prefilled + c
-            if req.prefilling:
-                out.append(None)
-                continue
-            req.last = int(self.first_token(req, t.logits(h[b, c - 1:c])))
-            out.append([req.last])
-        return out
+        ids = ids.to(dev)
+        h = t(ids.flatten(), self.positions(slots), slots.flatten(), span, cache=self.cache)
+        return ids, h.view(B, T, -1), slots, span
+
+    def positions(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots.flatten().clamp(max=self.target.cfg.max_seq_len - 1)  # a padding row may pass the rotary table
 
     def first_token(self, req, logits: torch.Tensor) -> torch.Tensor:
         """The token after the prompt [1], from the first uniforms of the request's stream."""
@@ -174,7 +183,8 @@ class SpecRunner(BatchRunner):
     window (ring, counts, active ids, packed head rows) per batch slot, reset when a request joins. A round is
     one device step with no host read but the one of its results, captured in a CUDA graph per (rows bucket,
     head slots bucket, span bucket, sampling mode); padding rows leave every window as it is. A prompt is
-    prefilled eagerly in one piece (the draft's prefill needs the token after each position)."""
+    prefilled in one piece (the draft's prefill needs the token after each position), the prompts joining in a
+    step in one pass."""
 
     chunked = False
 
@@ -193,27 +203,26 @@ class SpecRunner(BatchRunner):
         self.out = torch.zeros(max_batch, 3 + tree.max_path, dtype=torch.long, device=dev)
 
     def prefill(self, chunks: list[tuple]) -> list[list[int]]:
-        return [self.prefill_one(req) for req, _ in chunks]
-
-    def prefill_one(self, req) -> list[int]:
-        """The whole prompt: target prefill, the window's start (top-K_pre), the draft's prefill."""
-        t, d, dev = self.target, self.draft, self.device
-        ids = torch.tensor(req.prompt, device=dev)
-        L = ids.numel()
-        pos = torch.arange(L, device=dev)
-        span = Span(torch.zeros(1, dtype=torch.long, device=dev), causal(L, dev), L,
-                    self.table[req.slot:req.slot + 1])
-        h = t(ids, pos, pos, span, cache=self.cache)
-        root = self.first_token(req, t.logits(h[-1:]))
-        topk_pre = torch.cat([t.logits(h[i:i + PREFILL_CHUNK]).topk(self.k_pre, -1).indices.flatten()
-                              for i in range(0, L, PREFILL_CHUNK)])
-        self.vocab.start(req.slot, ids, topk_pre)  # a window starts afresh: nothing of others
-        dh = d.hidden(torch.cat([ids[1:], root]), h, pos, pos, span, cache=self.dcache)
-        self.h_last[req.slot].copy_(dh[-1])
-        self.vocab.join()
-        req.prefilled = req.n = L
-        req.last = int(root)
-        return [req.last]
+        """Whole prompts (chunk = the prompt), in one target pass and one draft pass; per request its first token
+        and its window's start from its prompt and its top-K_pre."""
+        t, dev = self.target, self.device
+        ids, h, slots, span = self.target_prefill(chunks)
+        nxt = torch.zeros_like(ids)  # the draft reads the token after each position: the prompt's, then the first
+        for b, (req, L) in enumerate(chunks):
+            root = self.first_token(req, t.logits(h[b, L - 1:L]))
+            topk_pre = torch.cat([t.logits(h[b, i:min(i + PREFILL_CHUNK, L)]).topk(self.k_pre, -1).indices.flatten()
+                                  for i in range(0, L, PREFILL_CHUNK)])
+            self.vocab.start(req.slot, ids[b, :L], topk_pre)  # a window starts afresh: nothing of others
+            self.vocab.join()  # before the next window's gather: one in flight at a time
+            nxt[b, :L - 1], nxt[b, L - 1] = ids[b, 1:L], root
+            req.prefilled = req.n = L
+            req.last = int(root)
+        B, T = ids.shape
+        dh = self.draft.hidden(nxt.flatten(), h.flatten(0, 1), self.positions(slots), slots.flatten(), span,
+                               cache=self.dcache).view(B, T, -1)
+        last = torch.tensor([L - 1 for _, L in chunks], device=dev)
+        self.h_last[torch.tensor([req.slot for req, _ in chunks], device=dev)] = dh[torch.arange(B, device=dev), last]
+        return [[req.last] for req, _ in chunks]
 
     def decode(self, reqs: list) -> list[list[int]]:
         """One draft / verify / update round for the batch."""
