@@ -28,8 +28,8 @@ from ..spec.tree import TreeConfig, causal
 from ..vocab.batched import batch_vocab
 from .block_manager import BlockManager, pool_blocks
 from .executor import PREFILL_CHUNK
-from .scheduler import PREFILL_BUDGET
 from .graphs import GraphRunner, bucket_for
+from .scheduler import PREFILL_BUDGET
 
 DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / GiB on the CPU
 
