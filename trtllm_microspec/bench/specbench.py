@@ -107,6 +107,11 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
     log(f"{label}: {a.warmup} warm-up requests")
     for _ in range(a.warmup):  # sampled like the measured requests: sampling runs its own CUDA graphs
         model.generate(first, min(a.max_new_tokens, WARMUP_TOKENS), chat=True, **sampling)
+    if a.warmup:  # every first turn's prefill once: a new prompt shape's first-time costs (kernel compiles, attention
+        # plans) are not measured, whichever method runs first in the process (on the H200 AR paid 0.7-1.6 s prefills
+        # that the methods after it did not)
+        for q in questions:
+            model.generate([{"role": "user", "content": q["turns"][0]}], 1, chat=True, **sampling)
     records, ids = [], {}
     for i, q in enumerate(questions, 1):
         messages = []
@@ -399,8 +404,8 @@ def register(sub) -> None:
     p.add_argument("--categories", type=_names, default=list(CATEGORIES), help=f"comma list of {', '.join(CATEGORIES)}")
     p.add_argument("--limit", type=int, help="questions per category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method; with --concurrency, "
-                   "also one unmeasured pass of the batch per level (0: none)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method, then each question's first "
+                   "prompt prefilled once; with --concurrency, also one unmeasured pass of the batch per level (0: none)")
     p.add_argument("--frspec-k", type=_ints, default=[], help="FR-Spec sweep: comma list of vocabulary sizes")
     p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6)")
     p.add_argument("--concurrency", type=_ints, help="also decode every question's first turn through the batched "
