@@ -6,7 +6,8 @@
 #   speed      Spec-Bench + HumanEval, ar and microspec with $HEAD, bf16, at TP=1 then TP=2 (tokens/s in results.md)
 #   allreduce  at TP=2 (ar and microspec): tokens/s, ms a step, the same step's all-reduces timed alone in a CUDA
 #              graph (their share of a step), and each rank's target weights
-#   dp         `serve --gpus 0` vs `serve --gpus 0,1`: 4 x c requests at concurrency c = 16 and 32 (output tok/s)
+#   dp         `serve --gpus 0` vs `serve --gpus 0,1`: 4 x c requests at concurrency c = 16 and 32 (output tok/s),
+#              each instance's running requests sampled twice a second (dp_gpus_*_running.txt)
 # mpirun needs --allow-run-as-root as root; serving needs what benchmarks/gpu_serve_check.sh describes (STUB_SITE).
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
@@ -88,7 +89,16 @@ EOF
         done
         for c in 16 32; do
           ms client --url 127.0.0.1:8101 --chat --prompt "$PROMPT" --max-tokens "$TOKENS" --concurrency $c \
-            --requests $((4 * c)) | tee "$OUT/dp_gpus_${gpus}_c$c.txt"
+            --requests $((4 * c)) > "$OUT/dp_gpus_${gpus}_c$c.txt" &
+          CLIENT=$!
+          # each instance's running requests twice a second: how Triton spreads the load over the instances
+          while kill -0 $CLIENT 2>/dev/null; do
+            python3 -c 'import urllib.request as u; print(" ".join(l.split("instance=\"")[1].split("\"")[0] + "=" +
+              l.rsplit(" ", 1)[1] for l in u.urlopen("http://127.0.0.1:8102/metrics").read().decode().splitlines()
+              if l.startswith("microspec_running_requests{")))' >> "$OUT/dp_gpus_${gpus}_c${c}_running.txt" || true
+            sleep 0.5
+          done
+          cat "$OUT/dp_gpus_${gpus}_c$c.txt"
         done
         kill $SERVE && wait $SERVE || true
       done ;;
