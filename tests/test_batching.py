@@ -147,16 +147,21 @@ SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
 
 
 @pytest.mark.parametrize("method", ["eagle", "microspec"])
-def test_spec_batch_equals_alone(method, engine_dir, random_draft_dir, alone):
-    """Speculative rounds for 3 requests at once over 2 batch slots (one cancelled after its first round):
-    each request's tokens are AR's; each MicroSpec window ends exactly as the same request's window alone (so
-    no token of another request ever entered it)."""
+def test_spec_batch_equals_alone(method, engine_dir, random_draft_dir, alone, monkeypatch):
+    """Speculative rounds for 3 requests at once over 2 batch slots (one cancelled after its first round), the
+    prompts prefilled 6 tokens a step beside the running rounds: each request's tokens are AR's; each MicroSpec
+    window ends exactly as the same request's window alone (so no token of another request ever entered it, and
+    a chunked prefill starts it as a whole one does)."""
+    monkeypatch.setattr(scheduler, "PREFILL_BUDGET", 6)
     llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
     cases = [CASES[1], CASES[0], CASES[2]]
     want = [alone[1], alone[0], alone[2]]
     windows = []
+    rounds = []
     for p, c, m in cases[:2]:
-        assert llm.generate(p, m, chat=c).token_ids == want[len(windows)]
+        r = llm.generate(p, m, chat=c)
+        assert r.token_ids == want[len(windows)]
+        rounds.append(r.stats["rounds"])
         v = llm.executor.vocab
         windows.append((v.ring.clone(), v.id_of.clone()) if method == "microspec" else None)
     sched = llm.scheduler()
@@ -172,9 +177,9 @@ def test_spec_batch_equals_alone(method, engine_dir, random_draft_dir, alone):
                 final[r.rid] = (v.ring[slot].clone(), v.id_of[slot, :v.R].clone())
         if cancel.out and not cancel.done:
             sched.cancel(cancel)
-    for r, w in zip(reqs[:2], want):
+    for r, w, n in zip(reqs[:2], want, rounds):
         assert r.out == w
-        assert r.stats.rounds > 0 and r.stats.vocab_max > 0
+        assert r.stats.rounds == n and r.stats.vocab_max > 0  # the same drafts: the draft's prefill was the same
     assert cancel.stats.stop_reason == "cancelled" and cancel.out == want[2][:len(cancel.out)]
     if method == "microspec":
         for r, (ring, id_of) in zip(reqs[:2], windows):

@@ -42,8 +42,6 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 
 class BatchRunner:
-    chunked = True  # prefill may come in chunks
-
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
                  cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1, levels: int = 1):
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
@@ -182,11 +180,8 @@ class SpecRunner(BatchRunner):
     single-request vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec
     window (ring, counts, active ids, packed head rows) per batch slot, reset when a request joins. A round is
     one device step with no host read but the one of its results, captured in a CUDA graph per (rows bucket,
-    head slots bucket, span bucket, sampling mode); padding rows leave every window as it is. A prompt is
-    prefilled in one piece (the draft's prefill needs the token after each position), the prompts joining in a
-    step in one pass."""
-
-    chunked = False
+    head slots bucket, span bucket, sampling mode); padding rows leave every window as it is. Prompts are
+    prefilled in chunks as AR's, the draft beside the target."""
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False):
@@ -199,30 +194,44 @@ class SpecRunner(BatchRunner):
         self.vocab = batch_vocab(vocab, max_batch + 1)  # the padding slot too: padding rows read it
         self.h_last = torch.zeros(max_batch + 1, target.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
         self.steps = torch.arange(tree.max_path, device=dev)
+        self.topk_pre: dict[int, list[torch.Tensor]] = {}  # batch slot -> its prompt chunks' top-K_pre so far
         # what the host reads after a round, per row: accepted k, vocabulary size, covered, emitted tokens
         self.out = torch.zeros(max_batch, 3 + tree.max_path, dtype=torch.long, device=dev)
 
-    def prefill(self, chunks: list[tuple]) -> list[list[int]]:
-        """Whole prompts (chunk = the prompt), in one target pass and one draft pass; per request its first token
-        and its window's start from its prompt and its top-K_pre."""
+    def prefill(self, chunks: list[tuple]) -> list[list[int] | None]:
+        """The next prompt chunk of each request in one target pass and one draft pass: the draft at position i
+        reads the target's hidden there and token i + 1 (the prompt's; the first token at its end), so a chunk
+        needs nothing from the next one. A request's window starts once its whole prompt is in, from its prompt and
+        its top-K_pre, as alone. Returns each request's first token once its prompt is in, else None."""
         t, dev = self.target, self.device
         ids, h, slots, span = self.target_prefill(chunks)
-        nxt = torch.zeros_like(ids)  # the draft reads the token after each position: the prompt's, then the first
-        for b, (req, L) in enumerate(chunks):
-            root = self.first_token(req, t.logits(h[b, L - 1:L]))
-            topk_pre = torch.cat([t.logits(h[b, i:min(i + PREFILL_CHUNK, L)]).topk(self.k_pre, -1).indices.flatten()
-                                  for i in range(0, L, PREFILL_CHUNK)])
-            self.vocab.start(req.slot, ids[b, :L], topk_pre)  # a window starts afresh: nothing of others
+        nxt, out, ends = torch.zeros_like(ids), [], []
+        for b, (req, c) in enumerate(chunks):
+            a, L = req.prefilled, len(req.prompt)
+            if a == 0:
+                self.topk_pre[req.slot] = []
+            self.topk_pre[req.slot].append(torch.cat([t.topk(t.logits(h[b, i:min(i + PREFILL_CHUNK, c)]), self.k_pre)
+                                                      .flatten() for i in range(0, c, PREFILL_CHUNK)]))
+            after = req.prompt[a + 1:a + c + 1]
+            nxt[b, :len(after)] = torch.tensor(after)
+            req.prefilled = req.n = a + c
+            if req.prefilling:
+                out.append(None)
+                continue
+            root = self.first_token(req, t.logits(h[b, c - 1:c]))
+            nxt[b, c - 1] = root
+            prompt = torch.tensor(req.prompt, device=dev)
+            self.vocab.start(req.slot, prompt, torch.cat(self.topk_pre.pop(req.slot)))  # nothing of others
             self.vocab.join()  # before the next window's gather: one in flight at a time
-            nxt[b, :L - 1], nxt[b, L - 1] = ids[b, 1:L], root
-            req.prefilled = req.n = L
             req.last = int(root)
+            out.append([req.last])
+            ends.append((b, c - 1, req.slot))
         B, T = ids.shape
         dh = self.draft.hidden(nxt.flatten(), h.flatten(0, 1), self.positions(slots), slots.flatten(), span,
                                cache=self.dcache).view(B, T, -1)
-        last = torch.tensor([L - 1 for _, L in chunks], device=dev)
-        self.h_last[torch.tensor([req.slot for req, _ in chunks], device=dev)] = dh[torch.arange(B, device=dev), last]
-        return [[req.last] for req, _ in chunks]
+        for b, row, slot in ends:
+            self.h_last[slot] = dh[b, row]
+        return out
 
     def decode(self, reqs: list) -> list[list[int]]:
         """One draft / verify / update round for the batch."""

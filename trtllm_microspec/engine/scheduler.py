@@ -5,8 +5,8 @@ at once), waiting requests join in order while the batch has room and the pool h
 that does not fit holds the rest back, so a long request is not starved by short ones), prefill advances by
 at most PREFILL_BUDGET prompt tokens (chunked: a long prompt does not stall the running batch for more than
 one chunk per step; the chunks of several requests go through one target pass), and every request whose prompt
-is in the cache decodes one step together (one target pass for the batch). Each request samples with its own SamplingParams (greedy by default): its tokens are those it
-gets alone with the same parameters and seed.
+is in the cache decodes one step together (one target pass for the batch). Each request samples with its own
+SamplingParams (greedy by default): its tokens are those it gets alone with the same parameters and seed.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ class Scheduler:
             if budget <= 0:
                 break
             rest = len(req.prompt) - req.prefilled
-            chunk = min(budget, rest) if self.runner.chunked else rest
+            chunk = min(budget, rest)
             budget -= chunk
             chunks.append((req, chunk))
         if chunks:
