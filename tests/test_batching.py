@@ -146,13 +146,14 @@ def test_cli_prompts_file(engine_dir, alone, tmp_path, capsys):
 SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
 
 
-@pytest.mark.parametrize("method", ["eagle", "microspec"])
-def test_spec_batch_equals_alone(method, engine_dir, random_draft_dir, alone, monkeypatch):
+@pytest.mark.parametrize("method,budget", [("eagle", 6), ("microspec", 6), ("microspec", 1)])
+def test_spec_batch_equals_alone(method, budget, engine_dir, random_draft_dir, alone, monkeypatch):
     """Speculative rounds for 3 requests at once over 2 batch slots (one cancelled after its first round), the
-    prompts prefilled 6 tokens a step beside the running rounds: each request's tokens are AR's; each MicroSpec
-    window ends exactly as the same request's window alone (so no token of another request ever entered it, and
-    a chunked prefill starts it as a whole one does)."""
-    monkeypatch.setattr(scheduler, "PREFILL_BUDGET", 6)
+    prompts prefilled `budget` tokens a step beside the running rounds (6: chunks of two requests share a pass;
+    1: every chunk, the prompt's last too, is one token): each request's tokens are AR's; each MicroSpec window
+    ends exactly as the same request's window alone (so no token of another request ever entered it, and a
+    chunked prefill starts it as a whole one does)."""
+    monkeypatch.setattr(scheduler, "PREFILL_BUDGET", budget)
     llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
     cases = [CASES[1], CASES[0], CASES[2]]
     want = [alone[1], alone[0], alone[2]]

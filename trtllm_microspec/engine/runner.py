@@ -207,13 +207,13 @@ class SpecRunner(BatchRunner):
         ids, h, slots, span = self.target_prefill(chunks)
         nxt, out, ends = torch.zeros_like(ids), [], []
         for b, (req, c) in enumerate(chunks):
-            a, L = req.prefilled, len(req.prompt)
+            a = req.prefilled
             if a == 0:
                 self.topk_pre[req.slot] = []
             self.topk_pre[req.slot].append(torch.cat([t.topk(t.logits(h[b, i:min(i + PREFILL_CHUNK, c)]), self.k_pre)
                                                       .flatten() for i in range(0, c, PREFILL_CHUNK)]))
-            after = req.prompt[a + 1:a + c + 1]
-            nxt[b, :len(after)] = torch.tensor(after)
+            after = req.prompt[a + 1:a + c + 1]  # one short at the prompt's end: the first token goes there
+            nxt[b, :len(after)] = torch.tensor(after, dtype=torch.long)
             req.prefilled = req.n = a + c
             if req.prefilling:
                 out.append(None)
