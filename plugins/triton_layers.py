@@ -131,11 +131,7 @@ def act_mul(gate_up, gelu):
     return out
 
 
-# Triton compiles a kernel again for every new pattern of its int arguments' "== 1" and "divisible by 16" flags. The
-# row and span counts change with the prompt length: on the H200, prefills of 84 and 80 tokens took 1.4 s each
-# after 13 other lengths had run (84 x 84 and 80 are multiples of 16: new patterns). They carry no alignment the
-# kernel relies on.
-@triton.jit(do_not_specialize=["T", "m", "stride_new_b", "stride_new", "S", "split_len", "n_splits"])
+@triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, o_ptr, part_o_ptr, part_ml_ptr,
                  T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, split_len, n_splits, stride_kh,
                  stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
