@@ -127,10 +127,11 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
     return records, ids
 
 
-def run_batched(model, questions: list[dict], a, label: str, sampling: dict) -> list[dict]:
+def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_ids: dict | None) -> list[dict]:
     """--concurrency: every question's first turn submitted at once to the batched engine, at most `c` in flight
     for each c of the list (the rest join as others finish): throughput and per-request latency per level. An
-    outside reference (vLLM) takes them all at once, at its own max_num_seqs (the largest c)."""
+    outside reference (vLLM) takes them all at once, at its own max_num_seqs (the largest c). ar_ids (greedy): AR's
+    tokens per (qid, turn), which each request of a batch must emit alone; its level counts those that differ."""
     prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
     levels = a.concurrency if hasattr(model, "scheduler") else [max(a.concurrency)]
     out = []
@@ -145,7 +146,8 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict) -> 
         per_request = [{"qid": q["qid"], **{k: r.stats.get(k) for k in ("new_tokens", "ttft_s", "wall_s")}}
                        for q, r in zip(questions, results)]
         s = batch_summary(per_request, wall, c, [x for r in results for x in r.stats.get("inter_token_s") or []])
-        s["ids"] = {(q["qid"], 0): r.token_ids for q, r in zip(questions, results)}  # compared with AR's, then dropped
+        s["mismatches"] = None if ar_ids is None else len(
+            compare({(q["qid"], 0): r.token_ids for q, r in zip(questions, results)}, ar_ids))
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
             f"{s['output_tokens_per_s']:.1f} output tok/s")
         out.append(s)
@@ -325,11 +327,12 @@ def cmd_bench(a) -> None:
         model = make_model(a, run)
         t0 = time.perf_counter()
         records, ids = run_questions(model, questions, a, label, sampling)
-        batched = run_batched(model, questions, a, label, sampling) if a.concurrency else None
         if run["method"] == "ar":
             ar_ids = ids
             res["device"] = str(model.device)
             res["static_coverage"] = static_coverage_of(model.engine_dir, ar_ids, questions, res["notes"])
+        batched = run_batched(model, questions, a, label, sampling, None if sampling else ar_ids) if a.concurrency \
+            else None
         if hasattr(model, "close"):  # vLLM frees its process-wide state only when asked
             model.close()
         del model
@@ -342,9 +345,6 @@ def cmd_bench(a) -> None:
         for c, s in summary.items():
             s["speedup"] = s["speed"] / ar[c]["speed"]
         mism = [] if sampling else compare(ids, ar_ids)
-        for level in batched or []:  # greedy: each request of a batch emits AR's first turn alone
-            level_ids = level.pop("ids")
-            level["mismatches"] = None if sampling else len(compare(level_ids, ar_ids))
         res["runs"][label] = {**run, "lossless": None if sampling else not mism, "mismatches": mism, "summary": summary,
                               "turns": records, "batched": batched}
         s = summary["overall"]

@@ -23,7 +23,7 @@ from plugins.layers import KV_BLOCK
 from ..models.model import KVCache, Span, Transformer
 from ..models.registry import UserError
 from ..spec.batch_tree import accept, draft_trees, physical, verify
-from ..spec.sampling import Sampler
+from ..spec.sampling import Sampler, tempered
 from ..spec.tree import TreeConfig, causal
 from ..vocab.batched import batch_vocab
 from .block_manager import BlockManager, pool_blocks
@@ -96,14 +96,17 @@ class BatchRunner:
         """The next prompt chunk of each (request, chunk length), in one target pass. Returns each request's first
         token once its whole prompt is in, else None."""
         _, h, _, _ = self.target_prefill(chunks)
+        return self.first_tokens(chunks, h)
+
+    def first_tokens(self, chunks: list[tuple], h: torch.Tensor) -> list[list[int] | None]:
+        """Each request past its chunk; the first token of each whose prompt is now in (from its chunk's last row
+        of h [B, T, d]), else None."""
         out = []
         for b, (req, c) in enumerate(chunks):
             req.prefilled = req.n = req.prefilled + c
-            if req.prefilling:
-                out.append(None)
-                continue
-            req.last = int(self.first_token(req, self.target.logits(h[b, c - 1:c])))
-            out.append([req.last])
+            if not req.prefilling:
+                req.last = int(self.first_token(req, self.target.logits(h[b, c - 1:c])))
+            out.append(None if req.prefilling else [req.last])
         return out
 
     def target_prefill(self, chunks: list[tuple]):
@@ -203,9 +206,9 @@ class SpecRunner(BatchRunner):
         reads the target's hidden there and token i + 1 (the prompt's; the first token at its end), so a chunk
         needs nothing from the next one. A request's window starts once its whole prompt is in, from its prompt and
         its top-K_pre, as alone. Returns each request's first token once its prompt is in, else None."""
-        t, dev = self.target, self.device
+        t = self.target
         ids, h, slots, span = self.target_prefill(chunks)
-        nxt, out, ends = torch.zeros_like(ids), [], []
+        nxt = torch.zeros_like(ids)
         for b, (req, c) in enumerate(chunks):
             a = req.prefilled
             if a == 0:
@@ -214,23 +217,18 @@ class SpecRunner(BatchRunner):
                                                       .flatten() for i in range(0, c, PREFILL_CHUNK)]))
             after = req.prompt[a + 1:a + c + 1]  # one short at the prompt's end: the first token goes there
             nxt[b, :len(after)] = torch.tensor(after, dtype=torch.long)
-            req.prefilled = req.n = a + c
-            if req.prefilling:
-                out.append(None)
-                continue
-            root = self.first_token(req, t.logits(h[b, c - 1:c]))
-            nxt[b, c - 1] = root
-            prompt = torch.tensor(req.prompt, device=dev)
+        out = self.first_tokens(chunks, h)
+        ends = [(b, c - 1, req) for b, ((req, c), first) in enumerate(zip(chunks, out)) if first is not None]
+        for b, row, req in ends:
+            nxt[b, row] = req.last
+            prompt = torch.tensor(req.prompt, device=self.device)
             self.vocab.start(req.slot, prompt, torch.cat(self.topk_pre.pop(req.slot)))  # nothing of others
             self.vocab.join()  # before the next window's gather: one in flight at a time
-            req.last = int(root)
-            out.append([req.last])
-            ends.append((b, c - 1, req.slot))
         B, T = ids.shape
         dh = self.draft.hidden(nxt.flatten(), h.flatten(0, 1), self.positions(slots), slots.flatten(), span,
                                cache=self.dcache).view(B, T, -1)
-        for b, row, slot in ends:
-            self.h_last[slot] = dh[b, row]
+        for b, row, req in ends:
+            self.h_last[req.slot] = dh[b, row]
         return out
 
     def decode(self, reqs: list) -> list[list[int]]:
@@ -260,9 +258,10 @@ class SpecRunner(BatchRunner):
         root, n, slots = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
         table = self.table.index_select(0, slots)
         temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
+        temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
 
         def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
-            return vocab.head(h if temperature is None else (h / temperature[:, None]).to(h.dtype), slots, top, k)
+            return vocab.head(tempered(h, temperature), slots, top, k)
 
         tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
         hid, logits = verify(t, self.cache, tree, n, table, S)

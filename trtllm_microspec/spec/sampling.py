@@ -80,6 +80,12 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return x.softmax(-1)
 
 
+def tempered(hidden: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """A sampling draft's hidden divided by the temperature (so are its logits, the head being linear), back in the
+    hidden's dtype (the knobs are fp32, the head rows bf16); None (greedy): unchanged."""
+    return hidden if temperature is None else (hidden / temperature).to(hidden.dtype)
+
+
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of probs [T, V] by inverse CDF, with u [T] (or a scalar) uniform in [0, 1).
     With 1 - u in (0, 1], the first index whose cumulative mass reaches (1 - u) * total always has probability > 0."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.model import Span
+from .sampling import tempered
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.
     k, dev = cfg.top_k, h_last.device
 
     def head(h):
-        return vocab.head(h if temperature is None else (h / temperature).to(h.dtype), k)  # fp32 knobs
+        return vocab.head(tempered(h, temperature), k)
 
     logp, ids = head(h_last[None])
     pool_tok, pool_score, pool_parent = [ids[0]], [logp[0]], [torch.full((k,), -1, device=dev)]
