@@ -26,7 +26,7 @@ from .spec.sampling import SamplingParams
 from .spec.tree import TreeConfig
 from .vocab.strategies import METHODS, make_vocab
 
-BATCHED = ("ar", "eagle", "frspec", "microspec")  # methods the batched engine runs
+BATCHED = ("ar", "eagle", "frspec", "microspec", "microspec-paper")  # methods the batched engine runs
 DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
 FREQ_FILE = "token_freq.safetensors"  # FR-Spec's ranked token ids, stored with the engine
 
@@ -127,7 +127,7 @@ class LLM:
                 raise UserError(f"draft {draft_dir} is damaged ({one_line(e)}): rebuild or retrain it") from None
             head = self.target.head_weight if parallel.world() == 1 else self.target.full_head
             vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max,
-                               ranked_ids=self._ranked_ids() if method == "frspec" else None, static_k=static_k)
+                               ranked_ids=self._ranked_ids() if method != "eagle" else None, static_k=static_k)
         tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
         self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,
                                  cuda_graphs=cuda_graphs and self.device.type == "cuda")
@@ -140,6 +140,7 @@ class LLM:
         self._scheduler = None  # the batched engine and its KV pool, made on first use
 
     def _ranked_ids(self) -> torch.Tensor | None:
+        """FR-Spec's ranking (frspec's vocabulary, microspec's fill), None if the engine has none."""
         f = self.engine_dir / FREQ_FILE
         if not f.exists():
             return None

@@ -6,7 +6,8 @@ membership and size are each one set of tensor ops over the whole batch, with no
                leading batch-slot dimension. Its update is ops.window_update / ops.unique_first with that dimension:
                each request indexes its own slot's rows through flat views (slot * row length + index), so no
                request ever reads or writes another's window. WindowVocab stays the single-request reference;
-               tests/test_batch_window.py checks that the two agree exactly.
+               tests/test_batch_window.py checks that the two agree exactly. The fill (strategies.Fill) of each
+               slot is kept beside it, [slots, F], and its rows are one [F, d] buffer that every slot shares.
 
 `batch` below is always a LongTensor [B] of the running requests' batch slots (distinct), in batch order.
 """
@@ -16,15 +17,16 @@ import torch
 
 from plugins import ops
 
-from .strategies import WindowVocab
+from .strategies import Fill, WindowVocab
 
 
 def batch_vocab(vocab, slots: int):
     """The single-request vocabulary -> the batched engine's: shared rows, or a window per batch slot."""
     if isinstance(vocab, WindowVocab):
         if not (vocab.use_prompt and vocab.use_rounds and vocab.use_packed):
-            raise ValueError("the batched engine runs the microspec window only, not its ablations")
-        return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned.tolist(), slots)
+            raise ValueError("the batched engine runs the microspec windows only, not their ablations")
+        return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned.tolist(), slots,
+                           None if vocab.fill is None else vocab.fill.ids)
     return SharedVocab(vocab)
 
 
@@ -71,7 +73,9 @@ def unique_first(ids: torch.Tensor, first: torch.Tensor, batch: torch.Tensor) ->
 class BatchWindow:
     """The MicroSpec window (plugins/ops.py's state) of each of `slots` batch slots, reset when a request joins."""
 
-    def __init__(self, head: torch.Tensor, w_max: int, pinned: list[int], slots: int):
+    def __init__(self, head: torch.Tensor, w_max: int, pinned: list[int], slots: int,
+                 fill_ids: torch.Tensor | None = None):
+        """fill_ids: the fill's ranked ids (strategies.fill_ranking), or None for the paper's window."""
         V, d = head.shape
         dev = head.device
         self.head_w, self.pinned = head, torch.tensor(sorted(set(pinned)), dtype=torch.long, device=dev)
@@ -89,6 +93,10 @@ class BatchWindow:
         self.packed = torch.zeros(slots, R + 1, d, dtype=head.dtype, device=dev)
         self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.in_flight: tuple | None = None
+        self.fill = None if fill_ids is None else Fill(fill_ids, V, dev)
+        F = 0 if self.fill is None else self.fill.F
+        self.fill_rows = head[self.fill.ids] if F else None  # [F, d], gathered once, shared by every slot
+        self.fill_id_of = torch.full((slots, F), -1, dtype=torch.long, device=dev)  # kept fill ids, -1: not kept
 
     def reset(self, slot: int) -> None:
         P = len(self.pinned)
@@ -97,6 +105,7 @@ class BatchWindow:
         self.count[slot].zero_()
         self.slot_of[slot].fill_(-1)
         self.id_of[slot].fill_(-1)
+        self.fill_id_of[slot].fill_(-1)
         self.count[slot, self.pinned] = 1
         self.slot_of[slot, self.pinned] = torch.arange(P, device=self.pinned.device)
         self.id_of[slot, :P] = self.pinned
@@ -107,11 +116,21 @@ class BatchWindow:
         self.reset(slot)
         batch = torch.tensor([slot], device=self.ring.device)
         self._append(batch, torch.cat([prompt_ids, unique_first(prompt_topk[None], self.first, batch)[0]])[None])
+        self._refill(batch)  # the fill of the new window: nothing of the slot's last request's
 
     def update(self, batch: torch.Tensor, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
         """A round's stream of every request: tree_ids [B, n] then ver_ids [B, m], each de-duplicated per row."""
         self._append(batch, torch.cat([unique_first(tree_ids, self.first, batch),
                                        unique_first(ver_ids, self.first, batch)], 1))
+        self._refill(batch)
+
+    def _refill(self, batch: torch.Tensor) -> None:
+        """WindowVocab._refill for every request at once (padding rows repeat the padding slot: same values)."""
+        if self.fill is None:
+            return
+        in_window = self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + self.fill.ids] >= 0
+        free = self.R - (self.id_of[batch, :self.R] >= 0).sum(1)
+        self.fill_id_of.index_copy_(0, batch, self.fill.keep(in_window, free))
 
     def _append(self, batch: torch.Tensor, new_ids: torch.Tensor) -> None:
         """ops.window_update for every request at once: row b of new_ids [B, n] (-1 = padding, skipped) joins
@@ -187,15 +206,23 @@ class BatchWindow:
         R = self.R
         read = batch.clamp(max=top - 1)
         h = hidden.new_zeros(top, T, d).index_add_(0, read, torch.where((batch < top)[:, None, None], hidden, 0))
-        logits = torch.bmm(h, self.packed[:top, :R].transpose(1, 2)).index_select(0, read).float()
+        logits = torch.bmm(h, self.packed[:top, :R].transpose(1, 2)).index_select(0, read)
         id_of = self.id_of[read, None, :R]
-        logits = logits.masked_fill(id_of < 0, float("-inf"))
+        if self.fill is not None:  # the shared fill rows in one GEMM over every row, their columns first as alone
+            logits = torch.cat([torch.nn.functional.linear(hidden, self.fill_rows), logits], -1)
+            id_of = torch.cat([self.fill_id_of[read, None], id_of], -1)
+        logits = logits.float().masked_fill(id_of < 0, float("-inf"))
         logp, col = torch.log_softmax(logits, -1).topk(k, dim=-1)
-        return logp, id_of.expand(B, T, R).gather(2, col).clamp(min=0)  # an empty slot only wins at -inf
+        return logp, id_of.expand(B, T, -1).gather(2, col).clamp(min=0)  # an empty slot only wins at -inf
 
     def size(self, batch: torch.Tensor) -> torch.Tensor:
-        return (self.id_of[batch, :self.R] >= 0).sum(1)
+        """The window's ids and the kept fill ids of each request."""
+        return (self.id_of[batch, :self.R] >= 0).sum(1) + (self.fill_id_of[batch] >= 0).sum(1)
 
     def contains(self, batch: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, n] (>= 0) -> whether each is in its own request's window."""
-        return self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + ids] >= 0
+        """ids [B, n] (>= 0) -> whether each is in its own request's window or its kept fill."""
+        inside = self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + ids] >= 0
+        if self.fill is None:
+            return inside
+        F, rank = self.fill.F, self.fill.rank_of[ids]
+        return inside | (self.fill_id_of.view(-1)[batch[:, None] * F + rank.clamp(max=F - 1)] >= 0) & (rank < F)

@@ -4,9 +4,14 @@ Every strategy exposes the same packed view -- rows `packed` [R, d] and the toke
 (-1 = empty) -- so one op (`microspec::packed_head`) computes the draft head for all of them:
   full       the whole head (EAGLE-2), rows = W_head, ids = arange(V)
   static     FR-Spec: the K most frequent ids of a corpus, gathered once (EOS and specials forced in)
-  microspec  the paper's window: Unique(Suffix(S, W_max)) over the stream
+  microspec-paper  the paper's window: Unique(Suffix(S, W_max)) over the stream
              S = prompt ++ union of top-K_pre at every prompt position, then per round
                  unique(draft tree ids) ++ unique(top-K_ver of the target at the accepted positions)
+  microspec  the paper's window with its unused slots filled (FILL below switches it back to the paper's): the
+             window's ids, then the most frequent ids of a static ranking that are not in it, up to W_max ids
+             in all; every id the stream brings in displaces the last fill id, never the reverse. Short prompts
+             leave the paper's window mostly empty (211 of 3,072 ids on the H200's chat prompts), and a packed
+             head of 2 x W_max rows costs about what one of W_max does, so the empty slots are free coverage.
   ctx-only   S_init only, never updated (ablation)
   ext-only   rounds only: starts from the target's top-K_ver after prefill (ablation)
   naive      the microspec window scored by an indexed GEMM over W_head[ids] each call (no packing,
@@ -15,6 +20,8 @@ Choices the paper leaves open, made here: C_ver comes from the target logits at 
 (root .. last accepted node: the positions whose argmax were emitted); within one append the draft tree's ids
 come first, in tree order (by draft score rank), then C_ver position by position; the prompt's top-K_pre union
 is ordered by position, then by rank, first occurrence kept. EOS ids are pinned and never leave.
+The fill's ranking is the engine's FR-Spec ranking (`microspec build-freq`, <engine>/token_freq.safetensors);
+an engine without one ranks by token id (see fill_ranking).
 """
 from __future__ import annotations
 
@@ -24,7 +31,18 @@ from plugins import ops
 
 from ..models.registry import UserError
 
-METHODS = ("ar", "eagle", "frspec", "microspec", "ctx-only", "ext-only", "naive")
+METHODS = ("ar", "eagle", "frspec", "microspec", "microspec-paper", "ctx-only", "ext-only", "naive")
+FILL = True  # whether `microspec` is the filled window (True) or the paper's, as `microspec-paper` (False)
+
+
+def fill_ranking(ranked_ids: torch.Tensor | None, vocab_size: int, n: int) -> torch.Tensor:
+    """The fill's first n ids, most frequent first: FR-Spec's ranking when the engine has one, else the ids in
+    id order: a byte-level BPE vocabulary lists its merges in the order it learned them, most frequent pair
+    first, so low ids are the commonest pieces of the tokenizer's corpus (a weaker ranking than build-freq's;
+    the special tokens at the start are harmless, as the draft scores them low)."""
+    if ranked_ids is None:
+        return torch.arange(min(n, vocab_size))
+    return ranked_ids[:n].long()
 
 
 class FullVocab:
@@ -66,27 +84,61 @@ class StaticVocab(FullVocab):
         return self.member[ids]
 
 
+class Fill:
+    """A window's fill: the static ranking's first F ids (F = W_max) and, per round, which of them are kept:
+    those not in the window, most frequent first, as many as the window leaves free of its R = W_max + pinned
+    slots (a cumsum over the not-in-window mask). The kept ids are a pure function of the window's membership
+    (slot_of) and size, so a window that restarts (a request joins) restarts its fill too. All device tensor
+    ops with static shapes: no host work, capturable in the CUDA graphs.
+      ids     [F]    int64  the ranked ids
+      rank_of [V+1]  int64  each id's position in ids, F if absent (the sentinel V too)"""
+
+    def __init__(self, ids: torch.Tensor, vocab_size: int, device):
+        self.ids = ids.to(device)
+        self.F = F = self.ids.numel()
+        self.rank_of = torch.full((vocab_size + 1,), F, dtype=torch.long, device=device)
+        self.rank_of[self.ids] = torch.arange(F, device=device)
+
+    def keep(self, in_window: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+        """in_window [..., F] (whether each ranked id is in its window), free [...] (slots the window leaves)
+        -> the kept ranked ids [..., F], -1 where not kept."""
+        out = ~in_window
+        out &= torch.cumsum(out.long(), -1) <= free[..., None]
+        return torch.where(out, self.ids, -1)
+
+
 class WindowVocab:
-    """The GPU-resident FIFO window over the candidate stream (state layout in plugins/ops.py)."""
+    """The GPU-resident FIFO window over the candidate stream (state layout in plugins/ops.py), with an
+    optional fill (class Fill). Its packed rows are [fill F | window R | sink]: the fill's rows are gathered
+    once, and one packed_head over the first F + R rows scores both, the fill ids not kept masked as -1."""
 
-    FLAGS = {"microspec": (True, True, True), "ctx-only": (True, False, True), "ext-only": (False, True, True),
-             "naive": (True, True, False)}  # name -> (prompt stream, round stream, packed buffer)
+    FLAGS = {"microspec": (True, True, True, FILL), "microspec-paper": (True, True, True, False),
+             "ctx-only": (True, False, True, False), "ext-only": (False, True, True, False),
+             "naive": (True, True, False, False)}  # name -> (prompt stream, round stream, packed buffer, fill)
 
-    def __init__(self, name: str, head: torch.Tensor, w_max: int, pinned: list[int]):
+    def __init__(self, name: str, head: torch.Tensor, w_max: int, pinned: list[int],
+                 ranked_ids: torch.Tensor | None = None):
         V, d = head.shape
         dev = head.device
-        use_prompt, use_rounds, packed = self.FLAGS[name]
+        use_prompt, use_rounds, packed, fill = self.FLAGS[name]
         self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev)
         self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
-        R = w_max + len(self.pinned)
+        self.fill = Fill(fill_ranking(ranked_ids, V, w_max), V, dev) if fill else None
+        F = self.fill.F if fill else 0
+        self.R = R = w_max + len(self.pinned)
         self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
         self.head_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.count = torch.zeros(V + 1, dtype=torch.int32, device=dev)
         self.slot_of = torch.full((V + 1,), -1, dtype=torch.long, device=dev)
-        self.id_of_all = torch.full((R + 1,), -1, dtype=torch.long, device=dev)
+        self.ids_all = torch.full((F + R + 1,), -1, dtype=torch.long, device=dev)
         self.first = torch.full((V + 1,), ops.BIG, dtype=torch.long, device=dev)
-        self.packed_all = torch.zeros(R + 1, d, dtype=head.dtype, device=dev)  # last row: sink for padding
-        self.packed, self.id_of = self.packed_all[:R], self.id_of_all[:R]
+        self.rows_all = torch.zeros(F + R + 1, d, dtype=head.dtype, device=dev)  # last row: sink for padding
+        # the window's own state (plugins/ops.py's id_of and its packed rows) is the part after the fill
+        self.id_of_all, self.packed_all = self.ids_all[F:], self.rows_all[F:]
+        self.fill_id_of = self.ids_all[:F]  # the kept fill ids (-1: not kept)
+        if fill and packed:
+            self.rows_all[:F] = head[self.fill.ids]
+        self.packed, self.id_of = self.rows_all[:F + R], self.ids_all[:F + R]
         # the gather of newly active rows runs on its own stream, hidden behind the draft backbone
         self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and packed else None
         self.in_flight: tuple | None = None
@@ -97,7 +149,7 @@ class WindowVocab:
         self.head_pos.zero_()
         self.count.zero_()
         self.slot_of.fill_(-1)
-        self.id_of_all.fill_(-1)
+        self.ids_all.fill_(-1)
         slots = torch.arange(P, device=self.ring.device)
         self.count[self.pinned] = 1
         self.slot_of[self.pinned] = slots
@@ -126,16 +178,24 @@ class WindowVocab:
             torch.cuda.current_stream().wait_stream(self.copy_stream)
             self.in_flight = None
 
+    def _refill(self) -> None:
+        """The fill of the window as it is now (on the compute stream: its rows need no gather)."""
+        if self.fill is not None:
+            free = self.R - (self.id_of_all[:self.R] >= 0).sum()
+            self.fill_id_of.copy_(self.fill.keep(self.slot_of[self.fill.ids] >= 0, free))
+
     def start(self, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor, first_topk: torch.Tensor) -> None:
         self.reset()
         if self.use_prompt:
             self._append(torch.cat([prompt_ids, ops.unique_first(prompt_topk, self.first)]))
         else:
             self._append(first_topk)
+        self._refill()
 
     def update(self, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
         if self.use_rounds:
             self._append(torch.cat([ops.unique_first(tree_ids, self.first), ops.unique_first(ver_ids, self.first)]))
+            self._refill()
 
     def head(self, hidden: torch.Tensor, k: int):
         if not self.use_packed:  # naive: an indexed GEMM over scattered rows, every call
@@ -143,10 +203,14 @@ class WindowVocab:
         return ops.packed_head(hidden, self.packed, self.id_of, k)
 
     def size(self) -> torch.Tensor:
-        return (self.id_of >= 0).sum()
+        return (self.id_of >= 0).sum()  # the window's ids and the kept fill ids
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.slot_of[ids] >= 0
+        inside = self.slot_of[ids] >= 0
+        if self.fill is None:
+            return inside
+        rank = self.fill.rank_of[ids]
+        return inside | (self.fill_id_of[rank.clamp(max=self.fill.F - 1)] >= 0) & (rank < self.fill.F)
 
 
 def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 3072,
@@ -157,4 +221,4 @@ def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 
         if ranked_ids is None:
             raise UserError("frspec needs token frequencies: run `microspec build-freq --engine DIR` first")
         return StaticVocab(head, ranked_ids, static_k, pinned)
-    return WindowVocab(method, head, w_max, pinned)
+    return WindowVocab(method, head, w_max, pinned, ranked_ids)
