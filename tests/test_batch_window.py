@@ -1,8 +1,10 @@
 """The batched MicroSpec window (vocab/batched.py) against B independent single-request windows (WindowVocab, the
 reference): after every round the same active ids in the same packed slots, the same packed rows, the same state,
-and the same draft-head outputs, over random streams whose windows (W_max 16) wrap many times."""
+the same fill and the same draft-head outputs, over random streams whose windows (W_max 16) wrap many times. Then
+the fill (strategies.Fill) against a plain-Python reference of its rule over random rounds."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from plugins.check import exact_inputs, stream_ids
@@ -12,26 +14,38 @@ from trtllm_microspec.vocab.strategies import WindowVocab
 V, W, D, K, PINNED, SLOTS = 300, 16, 8, 4, [7, 0], 4
 
 
+def ranking(g: torch.Generator, ids: int = V) -> torch.Tensor:
+    """A random ranking whose head holds the pinned ids (the fill must skip them: they are in every window)."""
+    rest = [i for i in torch.randperm(ids, generator=g).tolist() if i not in PINNED]
+    return torch.tensor(rest[:3] + PINNED + rest[3:])
+
+
 def assert_same(bw: BatchWindow, slot: int, ref: WindowVocab) -> None:
     R = bw.R
     assert torch.equal(bw.ring[slot], ref.ring) and bw.head_pos[slot].item() == ref.head_pos.item()
     assert torch.equal(bw.count[slot], ref.count) and torch.equal(bw.slot_of[slot], ref.slot_of)
-    assert torch.equal(bw.id_of[slot, :R], ref.id_of)
-    active = ref.id_of >= 0
-    assert torch.equal(bw.packed[slot, :R][active], ref.packed[active])
-    assert torch.equal(bw.packed[slot, :R][active], ref.head_w[ref.id_of[active]])
+    assert torch.equal(bw.id_of[slot, :R], ref.id_of_all[:R])
+    assert torch.equal(bw.fill_id_of[slot], ref.fill_id_of)
+    live = ref.id_of_all[:R] >= 0
+    assert torch.equal(bw.packed[slot, :R][live], ref.packed_all[:R][live])
+    active = ref.id_of >= 0  # the kept fill ids and the window's
+    assert torch.equal(ref.packed[active], ref.head_w[ref.id_of[active]])
     assert bool((bw.first[slot] == ref.first).all())  # both scratches clean
 
 
-def test_batch_window_equals_independent_windows():
+@pytest.mark.parametrize("method", ["microspec", "microspec-paper"])
+def test_batch_window_equals_independent_windows(method):
     g = torch.Generator().manual_seed(0)
     head = exact_inputs(g, V, D, dtype=torch.float32)  # exact GEMMs: bmm and linear give the same logits
-    bw = BatchWindow(head, W, PINNED, SLOTS)
+    ranked = ranking(g)
+    fill = method == "microspec"
+    bw = BatchWindow(head, W, PINNED, SLOTS, ranked[:W] if fill else None)
     refs = {}
     for rnd in range(12):
         if rnd in (0, 5):  # requests join (slot 2 twice: its window restarts from nothing of the last request)
             for slot in ((3, 1, 2) if rnd == 0 else (2,)):
-                refs[slot] = WindowVocab("microspec", head, W, PINNED)
+                refs[slot] = WindowVocab(method, head, W, PINNED, ranked)
+                assert (refs[slot].fill is not None) == fill
                 refs[slot].reset()
                 prompt, topk = stream_ids(g, V, 5 + 7 * slot, 0.0), stream_ids(g, V, 10, 0.2)
                 bw.start(slot, prompt, topk)
@@ -53,6 +67,8 @@ def test_batch_window_equals_independent_windows():
             assert torch.equal(logp[b], want_logp) and torch.equal(ids[b], want_ids)
             assert sizes[b] == ref.size() and torch.equal(inside[b], ref.contains(tree[b].clamp(min=0)))
     assert bw.head_pos[2] > W and bw.head_pos[3] > 3 * W  # the rings wrapped
+    if fill:  # the windows were not always full, so the fills were used
+        assert (bw.fill_id_of[list(refs)] >= 0).any()
 
 
 def test_windows_never_mix():
@@ -80,3 +96,109 @@ def test_windows_never_mix():
         assert bw.size(torch.tensor([1])).item() == 0  # the free slot was never touched
     bw.start(2, high[:1], high[:0])
     assert set(bw.id_of[2][bw.id_of[2] >= 0].tolist()) == set(PINNED) | {150}
+
+
+def reference_fill(window: set[int], ranked: list[int], R: int) -> list[int]:
+    """The fill's rule in plain Python: the ranked ids not in the window, most frequent first, as many as the
+    window leaves free of its R = W_max + pinned slots."""
+    return [i for i in ranked if i not in window][:R - len(window)]
+
+
+class Single:
+    """A WindowVocab seen through the accessors the fill test reads (one request at a time)."""
+
+    def __init__(self, method, head, w, ranked):
+        self.v = WindowVocab(method, head, w, PINNED, ranked)
+
+    def start(self, slot, prompt, topk):
+        self.v.start(prompt, topk, None)
+
+    def update(self, slot, tree, ver):
+        self.v.update(tree, ver)
+
+    def window(self, slot):
+        ids = self.v.id_of_all[:self.v.R]
+        return set(ids[ids >= 0].tolist())
+
+    def fill(self, slot):
+        f = self.v.fill_id_of
+        return f[f >= 0].tolist()
+
+    def size(self, slot):
+        return self.v.size().item()
+
+    def contains(self, slot, ids):
+        return self.v.contains(ids)
+
+    def head_ids(self, slot, hidden):
+        return self.v.head(hidden, K)[1]
+
+
+class Batched(Single):
+    """A BatchWindow of 3 slots through the same accessors."""
+
+    def __init__(self, method, head, w, ranked):
+        self.v = BatchWindow(head, w, PINNED, 3, ranked[:w] if method == "microspec" else None)
+
+    def start(self, slot, prompt, topk):
+        self.v.start(slot, prompt, topk)
+
+    def update(self, slot, tree, ver):
+        self.v.update(torch.tensor([slot]), tree[None], ver[None])
+
+    def window(self, slot):
+        ids = self.v.id_of[slot, :self.v.R]
+        return set(ids[ids >= 0].tolist())
+
+    def fill(self, slot):
+        f = self.v.fill_id_of[slot]
+        return f[f >= 0].tolist()
+
+    def size(self, slot):
+        return self.v.size(torch.tensor([slot])).item()
+
+    def contains(self, slot, ids):
+        return self.v.contains(torch.tensor([slot]), ids[None])[0]
+
+    def head_ids(self, slot, hidden):
+        return self.v.head(hidden[None], torch.tensor([slot]), 3, K)[1][0]
+
+
+@pytest.mark.parametrize("kind", [Single, Batched])
+def test_fill_rule(kind):
+    """Random rounds over a small vocabulary (the stream often brings in ranked ids), three requests in turn, the
+    batched ones taking over a used slot: after every start and update the filled window's stream part is exactly
+    the paper's window (stream ids always win a slot, a fill id never displaces one), its fill is the Python
+    rule's (so a joining request's fill is its own window's, nothing of the last request's), the union fills the
+    W_max + pinned slots whenever the ranking has ids enough (each stream id displaces one fill id), never more,
+    and size, contains and the draft head see exactly that union."""
+    g = torch.Generator().manual_seed(2)
+    V2, W2 = 60, 24
+    R = W2 + len(PINNED)
+    head = exact_inputs(g, V2, D, dtype=torch.float32)
+    ranked = ranking(g, V2)
+    filled, paper = kind("microspec", head, W2, ranked), kind("microspec-paper", head, W2, ranked)
+    top = ranked[:W2].tolist()
+    every = torch.arange(V2)
+    sizes = set()
+    for slot, prompt_len, rounds in ((1, 3, 10), (1, 1, 3), (0, 40, 6)):
+        for rnd in range(rounds + 1):
+            if rnd == 0:
+                prompt, topk = stream_ids(g, V2, prompt_len, 0.0), stream_ids(g, V2, 2 * prompt_len, 0.2)
+                filled.start(slot, prompt, topk)
+                paper.start(slot, prompt, topk)
+            else:
+                n = [0, 2, 5, 30][rnd % 4]  # 30: more than the window in one append
+                tree, ver = stream_ids(g, V2, n, 0.1), stream_ids(g, V2, 3, 0.3)
+                filled.update(slot, tree, ver)
+                paper.update(slot, tree, ver)
+            window, fill = filled.window(slot), filled.fill(slot)
+            assert window == paper.window(slot)
+            assert fill == reference_fill(window, top, R)
+            union = window | set(fill)
+            assert len(union) == len(window) + len(fill) == min(R, len(window | set(top)))
+            assert filled.size(slot) == len(union) <= R
+            assert set(every[filled.contains(slot, every)].tolist()) == union
+            assert set(filled.head_ids(slot, exact_inputs(g, 5, D, dtype=torch.float32)).flatten().tolist()) <= union
+            sizes.add(len(window))
+    assert min(sizes) < R // 2 and max(sizes) >= W2  # thin windows (mostly fill) and full ones (little fill) met
