@@ -146,15 +146,16 @@ def test_cli_prompts_file(engine_dir, alone, tmp_path, capsys):
 SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
 
 
-@pytest.mark.parametrize("method,budget", [("eagle", 6), ("microspec", 6), ("microspec", 1)])
+@pytest.mark.parametrize("method,budget", [("eagle", 6), ("microspec", 6), ("microspec", 1), ("microspec-paper", 6)])
 def test_spec_batch_equals_alone(method, budget, engine_dir, random_draft_dir, alone, monkeypatch):
     """Speculative rounds for 3 requests at once over 2 batch slots (one cancelled after its first round), the
     prompts prefilled `budget` tokens a step beside the running rounds (6: chunks of two requests share a pass;
     1: every chunk, the prompt's last too, is one token): each request's tokens are AR's; each MicroSpec window
     ends exactly as the same request's window alone (so no token of another request ever entered it, and a
-    chunked prefill starts it as a whole one does)."""
+    chunked prefill starts it as a whole one does), and so does its fill (`microspec`)."""
     monkeypatch.setattr(scheduler, "PREFILL_BUDGET", budget)
     llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    window = method != "eagle"
     cases = [CASES[1], CASES[0], CASES[2]]
     want = [alone[1], alone[0], alone[2]]
     windows = []
@@ -164,7 +165,7 @@ def test_spec_batch_equals_alone(method, budget, engine_dir, random_draft_dir, a
         assert r.token_ids == want[len(windows)]
         rounds.append(r.stats["rounds"])
         v = llm.executor.vocab
-        windows.append((v.ring.clone(), v.id_of.clone()) if method == "microspec" else None)
+        windows.append((v.ring.clone(), v.id_of_all[:v.R].clone(), v.fill_id_of.clone()) if window else None)
     sched = llm.scheduler()
     reqs = [sched.add(llm.prompt_ids(p, c), m) for p, c, m in cases]
     cancel = reqs[2]
@@ -173,18 +174,19 @@ def test_spec_batch_equals_alone(method, budget, engine_dir, random_draft_dir, a
         slot_of.update({r.rid: r.slot for r in reqs if r.slot >= 0})
         sched.step()
         for r in reqs[:2]:  # a request's window as it leaves (a later request resets its slot's window)
-            if r.done and r.rid not in final and method == "microspec":
+            if r.done and r.rid not in final and window:
                 v, slot = sched.runner.vocab, slot_of[r.rid]
-                final[r.rid] = (v.ring[slot].clone(), v.id_of[slot, :v.R].clone())
+                final[r.rid] = (v.ring[slot].clone(), v.id_of[slot, :v.R].clone(), v.fill_id_of[slot].clone())
         if cancel.out and not cancel.done:
             sched.cancel(cancel)
     for r, w, n in zip(reqs[:2], want, rounds):
         assert r.out == w
         assert r.stats.rounds == n and r.stats.vocab_max > 0  # the same drafts: the draft's prefill was the same
     assert cancel.stats.stop_reason == "cancelled" and cancel.out == want[2][:len(cancel.out)]
-    if method == "microspec":
-        for r, (ring, id_of) in zip(reqs[:2], windows):
-            assert torch.equal(final[r.rid][0], ring) and torch.equal(final[r.rid][1], id_of)
+    if window:
+        for r, alone_state in zip(reqs[:2], windows):
+            assert all(torch.equal(a, b) for a, b in zip(final[r.rid], alone_state))
+        assert (final[reqs[0].rid][2] >= 0).any() == (method == "microspec")
     sched.step()
     assert sched.blocks.used == 0
 

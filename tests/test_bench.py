@@ -21,7 +21,7 @@ from trtllm_microspec.engine.stats import percentiles
 from trtllm_microspec.llm import FREQ_FILE
 
 CATS = ["mt_bench", "translation", "code"]
-SPEC = ["eagle", "frspec", "microspec", "frspec@K=1024", "microspec@W=512"]
+SPEC = ["eagle", "frspec", "microspec", "microspec-paper", "frspec@K=1024", "microspec@W=512", "microspec-paper@W=512"]
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,15 @@ def bench(engine_dir, random_draft_dir, tmp_path_factory):
     with contextlib.redirect_stderr(log):
         main(["bench", "--engine", str(eng), "--draft", str(random_draft_dir), "--device", "cpu",
               "--categories", ",".join(CATS), "--limit", "1", "--max-new-tokens", "4", "--warmup", "1",
-              "--methods", "ar,eagle,frspec,microspec,hf", "--frspec-k", "1024", "--w-max-sweep", "512,3072",
+              "--methods", "ar,eagle,frspec,microspec,microspec-paper,hf", "--frspec-k", "1024", "--w-max-sweep", "512,3072",
               "--depth", "2", "--total-tokens", "8", "--out", str(out)])
     return json.loads((out / "results.json").read_text()), out, log.getvalue()
 
 
 def test_progress_names_each_stage(bench):
     _, _, log = bench
-    assert "[bench] 3 questions (" in log and "7 runs: ar, eagle, frspec, microspec, frspec@K=1024, " in log
+    assert "[bench] 3 questions (" in log
+    assert "9 runs: ar, eagle, frspec, microspec, microspec-paper, frspec@K=1024, microspec@W=512, " in log
     lines = [line for line in log.splitlines() if line.startswith("[bench] ")]
     for label in ("ar", "eagle", "microspec@W=512"):
         for stage in ("loading the model", "1 warm-up requests", "question 1/3 (", "question 3/3 (", "tok/s"):
@@ -71,8 +72,10 @@ def test_lossless_and_draft_stats(bench):
         s = run["summary"]["overall"]
         assert s["acceptance_length"] >= 1.0 and 0 < s["draft_share"] < 1
         assert 0 <= s["coverage"] <= 1
-    micro = res["runs"]["microspec@W=512"]["summary"]["overall"]
-    assert micro["vocab_mean"] <= 512 + 1  # the window plus the pinned EOS
+    paper = res["runs"]["microspec-paper@W=512"]["summary"]["overall"]
+    assert paper["vocab_mean"] <= 512 + 1  # the window plus the pinned EOS
+    # filled: always the whole budget, the fill counted (the window is thinner than 513 ids on these prompts)
+    assert res["runs"]["microspec@W=512"]["summary"]["overall"]["vocab_mean"] == 512 + 1 > paper["vocab_mean"]
     assert res["runs"]["eagle"]["summary"]["overall"]["coverage"] == 1.0
 
 
@@ -91,6 +94,7 @@ def test_static_coverage_and_outputs(bench):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "results.md").read_text()
     assert "| microspec@W=512 |" in md and "microspec sweep over w_max" in md
+    assert "| microspec-paper@W=512 |" in md and "microspec-paper sweep over w_max" in md
 
 
 def test_questions():

@@ -18,8 +18,8 @@ from trtllm_microspec.models.model import KVCache, ModelConfig
 from trtllm_microspec.models.tokenizer import Tokenizer
 from trtllm_microspec.spec.eagle import EagleDraft, draft_config, save_draft
 
-METHODS = ["eagle", "frspec", "microspec", "ctx-only", "ext-only", "naive"]
-WINDOW_METHODS = {"microspec", "ctx-only", "ext-only", "naive"}
+METHODS = ["eagle", "frspec", "microspec", "microspec-paper", "ctx-only", "ext-only", "naive"]
+WINDOW_METHODS = {"microspec", "microspec-paper", "ctx-only", "ext-only", "naive"}
 # (prompt, chat, max_new_tokens); the first stops at EOS after 8 tokens
 CASES = [
     ("What is the capital of France?", True, 32),
@@ -89,6 +89,8 @@ def check(llm, method, knobs, case, got, want):
     pinned = len(llm.target.cfg.eos_ids)
     if method in WINDOW_METHODS:
         assert s["vocab_max"] <= knobs.get("w_max", 3072) + pinned
+        if method == "microspec":  # filled: every round's vocabulary is the whole budget
+            assert s["vocab_mean"] == s["vocab_max"] == knobs.get("w_max", 3072) + pinned
     elif method == "frspec":
         assert s["vocab_max"] <= knobs.get("static_k", 32768) + pinned
     else:

@@ -1,5 +1,6 @@
 """The paper's figures from a bench result: Fig. 6 (speed and acceptance length against W_max) and Fig. 1b
-(coverage against draft vocabulary size: static top-K curves vs MicroSpec points); with --concurrency, throughput
+(coverage against draft vocabulary size: static top-K curves vs the paper's window as points and the filled window
+as a line over W_max); with --concurrency, throughput
 against latency per method over the concurrency levels."""
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ def plot_all(res: dict, out: Path) -> list[str]:
         return ["no plots: matplotlib is not installed (pip install matplotlib)"]
     matplotlib.use("Agg")  # files only, no display
     notes = []
-    micro = sorted((r for r in res["runs"].values() if r["method"] == "microspec"), key=lambda r: r["w_max"])
+    from .specbench import WINDOWS
+
+    micro = {m: sorted((r for r in res["runs"].values() if r["method"] == m), key=lambda r: r["w_max"])
+             for m in WINDOWS}
+    micro = {m: runs for m, runs in micro.items() if runs}  # window method -> its runs by W_max
     if micro:
         fig6(micro, out / "fig6_wmax.png")
     else:
@@ -48,27 +53,38 @@ def throughput_latency(batched: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def fig6(micro: list[dict], path: Path) -> None:
+LOOK = {"microspec-paper": ("*", ":", "MicroSpec (paper)"), "microspec": ("D", "-", "MicroSpec filled")}
+
+
+def fig6(micro: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    w = [r["w_max"] for r in micro]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(w, [r["summary"]["overall"]["speed"] for r in micro], "o-", color="tab:green", label="speed")
+    ax2 = ax.twinx()
+    ticks = sorted({r["w_max"] for runs in micro.values() for r in runs})
+    for method, runs in micro.items():
+        marker, line, name = LOOK[method]
+        w = [r["w_max"] for r in runs]
+        ax.plot(w, [r["summary"]["overall"]["speed"] for r in runs], marker=marker, linestyle=line,
+                color="tab:green", label=f"{name}: speed")
+        ax2.plot(w, [r["summary"]["overall"]["acceptance_length"] or 0 for r in runs], marker=marker,
+                 linestyle=line, color="tab:blue", label=f"{name}: acceptance length")
     ax.set_xscale("log", base=2)  # the paper's W_max points double
-    ax.set_xticks(w, [str(x) for x in w])
+    ax.set_xticks(ticks, [str(x) for x in ticks])
     ax.set_xlabel("W_max")
     ax.set_ylabel("tokens/s", color="tab:green")
-    ax2 = ax.twinx()
-    ax2.plot(w, [r["summary"]["overall"]["acceptance_length"] or 0 for r in micro], "s--", color="tab:blue",
-             label="acceptance length")
     ax2.set_ylabel("mean acceptance length", color="tab:blue")
+    if len(micro) > 1:
+        fig.legend(fontsize=6, loc="lower right")
     ax.set_title("MicroSpec: speed and acceptance length vs W_max")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def fig1b(res: dict, micro: list[dict], path: Path) -> None:
+def fig1b(res: dict, micro: dict[str, list[dict]], path: Path) -> None:
+    """Static top-K curves (dashed), the paper's window as stars (one per W_max run), the filled window as a
+    line through its W_max runs (diamonds): each at its mean active vocabulary, fill ids included."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -77,14 +93,20 @@ def fig1b(res: dict, micro: list[dict], path: Path) -> None:
     for cat, color in colors.items():
         if static.get(cat):
             ax.plot(static["k"], static[cat], "--", color=color, label=f"static {cat}")
-        pts = [(r["summary"][cat]["vocab_mean"], r["summary"][cat]["coverage"]) for r in micro
-               if r["summary"][cat]["coverage"] is not None]
-        if pts:
-            ax.scatter(*zip(*pts), marker="*", s=120, color=color, label=f"MicroSpec {cat}")
+        for method, runs in micro.items():
+            pts = sorted((r["summary"][cat]["vocab_mean"], r["summary"][cat]["coverage"]) for r in runs
+                         if r["summary"][cat]["coverage"] is not None)
+            if not pts:
+                continue
+            marker, line, name = LOOK[method]
+            if method == "microspec-paper":
+                ax.scatter(*zip(*pts), marker=marker, s=120, color=color, label=f"{name} {cat}")
+            else:
+                ax.plot(*zip(*pts), marker=marker, linestyle=line, color=color, label=f"{name} {cat}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("draft vocabulary size (MicroSpec: mean active)")
     ax.set_ylabel("coverage of the target's tokens")
-    ax.set_title("coverage vs vocabulary size: static top-K vs MicroSpec")
+    ax.set_title("coverage vs vocabulary size: static top-K vs MicroSpec (paper, filled)")
     ax.legend(fontsize=6, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

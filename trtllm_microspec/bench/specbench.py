@@ -31,6 +31,7 @@ SPEC_BENCH = ("mt_bench", "translation", "summarization", "qa", "math_reasoning"
 CATEGORIES = SPEC_BENCH + ("code",)
 # Spec-Bench reports MT-bench's 8 categories as one
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+WINDOWS = ("microspec", "microspec-paper")  # the W_max sweep's methods: the filled window and the paper's
 WARMUP_TOKENS = 64  # warm-up only has to touch every kernel and allocation once, not generate a full answer
 
 
@@ -71,8 +72,9 @@ def build_runs(a) -> list[dict]:
     runs = [{"label": m, "method": m} for m in dict.fromkeys(["ar", *a.methods]) if m not in REFERENCES]
     runs += [{"label": f"frspec@K={k}", "method": "frspec", "static_k": k}
              for k in a.frspec_k if not (k == a.static_k and "frspec" in a.methods)]
-    runs += [{"label": f"microspec@W={w}", "method": "microspec", "w_max": w}
-             for w in a.w_max_sweep if not (w == a.w_max and "microspec" in a.methods)]
+    windows = [m for m in WINDOWS if m in a.methods] or ["microspec"]  # each window listed sweeps W_max
+    runs += [{"label": f"{m}@W={w}", "method": m, "w_max": w}
+             for m in windows for w in a.w_max_sweep if not (w == a.w_max and m in a.methods)]
     runs += [{"label": m, "method": m} for m in dict.fromkeys(a.methods) if m in REFERENCES]
     for r in runs:
         r.setdefault("static_k", a.static_k)
@@ -236,7 +238,7 @@ def markdown(res: dict) -> str:
         lines.append("")
     lines += ["## losslessness (token ids equal to AR's)", "", "| method | turns | mismatches |", "|---|---|---|"]
     lines += [f"| {n} | {r['summary']['overall']['turns']} | {len(r['mismatches'])} |" for n, r in runs.items()]
-    for method, knob in (("frspec", "static_k"), ("microspec", "w_max")):
+    for method, knob in (("frspec", "static_k"), *((m, "w_max") for m in WINDOWS)):
         sweep = sorted((r for r in runs.values() if r["method"] == method), key=lambda r: r[knob])
         if len(sweep) > 1:
             lines += ["", f"## {method} sweep over {knob} (overall)", "",
@@ -399,15 +401,16 @@ def register(sub) -> None:
     add_llm_args(p)  # --method is not used here: --methods lists what to run
     add_sampling_args(p)
     p.add_argument("--methods", type=_names, default=["ar", "eagle", "frspec", "microspec"],
-                   help="comma list of ar, eagle, frspec, microspec, ctx-only, ext-only, naive and the outside "
-                        "references hf, hf-compiled, vllm, vllm-eagle (AR always runs)")
+                   help="comma list of ar, eagle, frspec, microspec, microspec-paper, ctx-only, ext-only, naive and "
+                        "the outside references hf, hf-compiled, vllm, vllm-eagle (AR always runs)")
     p.add_argument("--categories", type=_names, default=list(CATEGORIES), help=f"comma list of {', '.join(CATEGORIES)}")
     p.add_argument("--limit", type=int, help="questions per category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method, then each question's first "
                    "prompt prefilled once; with --concurrency, also one unmeasured pass of the batch per level (0: none)")
     p.add_argument("--frspec-k", type=_ints, default=[], help="FR-Spec sweep: comma list of vocabulary sizes")
-    p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6)")
+    p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6), "
+                   "for each of microspec and microspec-paper in --methods (microspec if neither)")
     p.add_argument("--concurrency", type=_ints, help="also decode every question's first turn through the batched "
                    "engine, at most this many at once (a comma list: one measurement per level): throughput, TTFT "
                    "and inter-token latency")

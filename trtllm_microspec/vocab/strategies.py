@@ -8,8 +8,8 @@ Every strategy exposes the same packed view -- rows `packed` [R, d] and the toke
              S = prompt ++ union of top-K_pre at every prompt position, then per round
                  unique(draft tree ids) ++ unique(top-K_ver of the target at the accepted positions)
   microspec  the paper's window with its unused slots filled (FILL below switches it back to the paper's): the
-             window's ids, then the most frequent ids of a static ranking that are not in it, up to W_max ids
-             in all; every id the stream brings in displaces the last fill id, never the reverse. Short prompts
+             window's ids, then the most frequent ids of a static ranking that are not in it, W_max + pinned
+             ids in all; every id the stream brings in displaces the last fill id, never the reverse. Short prompts
              leave the paper's window mostly empty (211 of 3,072 ids on the H200's chat prompts), and a packed
              head of 2 x W_max rows costs about what one of W_max does, so the empty slots are free coverage.
   ctx-only   S_init only, never updated (ablation)
@@ -85,7 +85,7 @@ class StaticVocab(FullVocab):
 
 
 class Fill:
-    """A window's fill: the static ranking's first F ids (F = W_max) and, per round, which of them are kept:
+    """A window's fill: the static ranking's first F ids (F = R) and, per round, which of them are kept:
     those not in the window, most frequent first, as many as the window leaves free of its R = W_max + pinned
     slots (a cumsum over the not-in-window mask). The kept ids are a pure function of the window's membership
     (slot_of) and size, so a window that restarts (a request joins) restarts its fill too. All device tensor
@@ -123,9 +123,10 @@ class WindowVocab:
         use_prompt, use_rounds, packed, fill = self.FLAGS[name]
         self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev)
         self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
-        self.fill = Fill(fill_ranking(ranked_ids, V, w_max), V, dev) if fill else None
-        F = self.fill.F if fill else 0
         self.R = R = w_max + len(self.pinned)
+        # R ranked ids: enough to fill every slot the window leaves free, whichever of them the window holds
+        self.fill = Fill(fill_ranking(ranked_ids, V, R), V, dev) if fill else None
+        F = self.fill.F if fill else 0
         self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
         self.head_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.count = torch.zeros(V + 1, dtype=torch.int32, device=dev)
