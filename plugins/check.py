@@ -252,16 +252,19 @@ def check_graph() -> str:
 
 
 def check_batch_window() -> str:
-    """trtllm_microspec's BatchWindow (the windows of a batch, plain torch, gathers on the copy stream) on the
-    GPU against the same on the CPU: the whole state and the active packed rows after every round; each request's
-    draft head (one bmm over the slots) against the float64 model of its own rows."""
+    """trtllm_microspec's BatchWindow (the windows of a batch, plain torch, gathers on the copy stream, with a fill)
+    on the GPU against the same on the CPU: the whole state, the fill and the active packed rows after every round;
+    each request's draft head (one bmm over the slots, one GEMM over the fill rows) against the float64 model of its
+    own rows."""
     from trtllm_microspec.vocab.batched import BatchWindow
 
     g = torch.Generator().manual_seed(6)
-    V, W, d, k, T, slots, pinned = 50000, 512, 256, 10, 10, 8, [2, 49999]
+    # W 2048: the small slots' windows stay thin (their fill large), the large slots' wrap
+    V, W, d, k, T, slots, pinned = 50000, 2048, 256, 10, 10, 8, [2, 49999]
     head = exact_inputs(g, V, d)
-    cpu, gpu = BatchWindow(head, W, pinned, slots), BatchWindow(head.to(DEV), W, pinned, slots)
-    state = ("ring", "head_pos", "count", "slot_of", "id_of", "first")
+    fill = torch.randperm(V, generator=g)[:W + len(pinned)]
+    cpu, gpu = BatchWindow(head, W, pinned, slots, fill), BatchWindow(head.to(DEV), W, pinned, slots, fill)
+    state = ("ring", "head_pos", "count", "slot_of", "id_of", "first", "fill_id_of")
     joins = {0: [5, 0, 3], 7: [1, 6], 15: [0]}  # round -> slots whose request joins then (0 again at 15)
     running, rounds = [], 30
     for r in range(rounds):
@@ -282,12 +285,13 @@ def check_batch_window() -> str:
         hidden = exact_inputs(g, len(running), T, d)
         logp, ids = gpu.head(hidden.to(DEV), batch.to(DEV), max(running) + 1, k)
         for b, slot in enumerate(running):
-            id_of = cpu.id_of[slot, :cpu.R]
-            err = head_error(logp[b], ids[b], model_logp(hidden[b], cpu.packed[slot, :cpu.R], id_of), id_of, k)
+            id_of = torch.cat([cpu.fill_id_of[slot], cpu.id_of[slot, :cpu.R]])
+            rows = torch.cat([cpu.fill_rows, cpu.packed[slot, :cpu.R]])
+            err = head_error(logp[b], ids[b], model_logp(hidden[b], rows, id_of), id_of, k)
             errs.append(err and f"round {r}: slot {slot}: head: {err}")
         if any(errs):
             raise AssertionError(next(e for e in errs if e))
-    return f"{slots} slots, {rounds} rounds with joins and a rejoin, state, packed rows and bmm head checked"
+    return f"{slots} slots, {rounds} rounds with joins and a rejoin, state, fill, packed rows and bmm head checked"
 
 
 CHECKS = [("unique_first", check_unique_first), ("window_update", check_window_update),
