@@ -11,6 +11,8 @@
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
 #   sampling   the same at temperature 0.7 (speculative sampling)
 #   sweep      in-flight batching: ar, eagle, microspec at concurrency LEVELS, and vLLM with every prompt at once
+#   fill       the paper's window (microspec-paper) vs the filled one (microspec) beside eagle and frspec, per
+#              category, and both over W_max FILL_SWEEP (Fig. 6, Fig. 1b's filled line); runs build-freq if missing
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
 OUT=${OUT:-gpu_out}
@@ -22,6 +24,7 @@ TRAIN_ARGS=${TRAIN_ARGS:---eval}
 METHODS=${METHODS:-ar,eagle,frspec,microspec}   # frspec needs `microspec build-freq --engine KEY` first
 LEVELS=${LEVELS:-1,2,4,8,16,32}  # sweep: the concurrency levels
 REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
+FILL_SWEEP=${FILL_SWEEP:-1024,2048}  # fill: W_max points beside the main 3072 (empty: none)
 mkdir -p "$OUT"
 ms() { python3 -m trtllm_microspec.cli "$@"; }
 for stage in "$@"; do
@@ -59,6 +62,12 @@ EOF
     sweep)
       ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,microspec,vllm --concurrency "$LEVELS" \
         --limit "$LIMIT" --max-new-tokens "$TOKENS" --warmup 2 --out "$OUT/sweep_$KEY" | grep "tok/s" ;;
+    fill)
+      engine=$(python3 -c "from trtllm_microspec.llm import resolve_engine; print(resolve_engine('$KEY'))" | tail -1)
+      [ -f "$engine/token_freq.safetensors" ] || ms build-freq --engine "$KEY"   # the fill's and frspec's ranking
+      ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,frspec,microspec-paper,microspec --limit "$LIMIT" \
+        --max-new-tokens "$TOKENS" --warmup 2 ${FILL_SWEEP:+--w-max-sweep "$FILL_SWEEP"} --out "$OUT/fill_$KEY" \
+        | grep "tok/s" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
