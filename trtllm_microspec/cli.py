@@ -32,7 +32,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="ar", choices=METHODS)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--w-max", type=int, default=3072, help="MicroSpec window: the draft may propose the distinct "
-                   "ids among the last W_MAX candidates of the stream (from --tree-top-k to the vocabulary size)")
+                   "ids among the last W_MAX candidates of the stream (from --tree-top-k to the vocabulary size); "
+                   "microspec fills the slots they leave free with the most frequent other ids (the engine's "
+                   "build-freq ranking, else token id order), microspec-paper leaves them empty")
     p.add_argument("--k-pre", type=int, default=3, help="MicroSpec: the target's top-K ids at every prompt position "
                    "start the window (0: only the prompt's own tokens)")
     p.add_argument("--k-ver", type=int, default=3, help="MicroSpec: the target's top-K ids at every accepted "

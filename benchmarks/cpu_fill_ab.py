@@ -1,0 +1,46 @@
+"""CPU A/B of the draft vocabularies (issue 23): eagle (full), frspec-32k, the paper's window, the filled window
+(FR-Spec ranking, and the token-id-order fallback) and both at K_ver 8, on SmolLM2-135M with its packaged head,
+fp32, the quickstart's CPU tree, six chat prompts of the quickstart's kind, 128 new tokens; checks every output
+against AR's. RANKED: an engine dir with `microspec build-freq` run in it (a copy whose files link to the
+cached engine keeps the cache as it is); PLAIN: one without token_freq.safetensors.
+    python benchmarks/cpu_fill_ab.py RANKED PLAIN [OUT.json]"""
+import json, sys
+from trtllm_microspec import LLM
+PROMPTS = {
+ "explain": "Explain in a few sentences why the sky is blue.",
+ "story": "Write a short story about a robot who learns to paint.",
+ "translation": "Translate into French: The weather is lovely today and we are going to the beach with our friends.",
+ "math": "A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep does he have? Explain step by step.",
+ "code": "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+ "summary": "Summarize in two sentences: The Industrial Revolution began in Britain in the late 18th century. It brought steam engines, factories and railways, moved people from farms to cities, and changed how goods were made and traded across the world.",
+}
+RANKED, PLAIN = sys.argv[1], sys.argv[2]
+N = 128
+TREE = dict(depth=3, top_k=4, total_tokens=12)
+RUNS = [("eagle", RANKED, {}), ("frspec-32k", RANKED, {"method": "frspec"}),
+        ("microspec-paper", RANKED, {}), ("microspec", RANKED, {}),
+        ("microspec (id-order fill)", PLAIN, {"method": "microspec"}),
+        ("microspec-paper k_ver=8", RANKED, {"method": "microspec-paper", "k_ver": 8}),
+        ("microspec k_ver=8", RANKED, {"method": "microspec", "k_ver": 8})]
+ar = LLM(RANKED, "ar", device="cpu")
+want = {k: ar.generate(p, N, chat=True).token_ids for k, p in PROMPTS.items()}
+del ar
+out = {}
+for label, eng, kw in RUNS:
+    kw = dict(kw); method = kw.pop("method", label)
+    llm = LLM(eng, method, device="cpu", **TREE, **kw)
+    rows = {}
+    for k, p in PROMPTS.items():
+        r = llm.generate(p, N, chat=True)
+        s = r.stats
+        rows[k] = dict(same=r.token_ids == want[k], acc=s["acceptance_length"], vocab=s["vocab_mean"],
+                       cov=s["coverage"], new=s["new_tokens"], rounds=s["rounds"], tps=s["tokens_per_s"])
+    out[label] = rows
+    emitted = sum(r["new"] - 1 for r in rows.values())
+    cov = sum(r["cov"] * (r["new"] - 1) for r in rows.values()) / emitted
+    acc = emitted / sum(r["rounds"] for r in rows.values())
+    print(f"{label}: coverage {cov:.1%} acceptance {acc:.3f} vocab_mean {sum(r['vocab'] for r in rows.values())/len(rows):.0f} "
+          f"lossless {all(r['same'] for r in rows.values())} | " +
+          " ".join(f"{k} {r['cov']:.0%}/{r['acc']:.2f}" for k, r in rows.items()), flush=True)
+if len(sys.argv) > 3:
+    json.dump(out, open(sys.argv[3], "w"), indent=1)
