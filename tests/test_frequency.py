@@ -64,3 +64,25 @@ def test_frspec_lossless(engine, tmp_path, random_draft_dir):
     fr = LLM(engine, "frspec", draft=random_draft_dir, static_k=64, max_seq_len=256).generate(
         prompt, max_new_tokens=24, chat=True)
     assert fr.token_ids == ar.token_ids and len(ar.token_ids) > 0
+    ms = LLM(engine, "microspec", draft=random_draft_dir, w_max=64, max_seq_len=256)  # the filled window
+    assert ms.generate(prompt, max_new_tokens=24, chat=True).token_ids == ar.token_ids
+    ranked = load_file(engine / FREQ_FILE)["ranked_ids"]
+    assert torch.equal(ms.executor.vocab.fill.ids, ranked[:64 + len(ms.target.cfg.eos_ids)])  # its fill's ranking
+
+
+@pytest.mark.parametrize("bad", ["other", "cut"])
+def test_bad_ranking_is_named(engine, random_draft_dir, bad):
+    """A ranking of another vocabulary or a file cut short: one line naming the file and the command that
+    rebuilds it, for frspec and for microspec's fill alike."""
+    from safetensors.torch import save_file
+
+    f = engine / FREQ_FILE
+    if bad == "other":
+        save_file({"ranked_ids": torch.arange(60000)}, f)  # a larger vocabulary's
+    else:
+        save_file({"ranked_ids": torch.arange(100)}, f)
+        f.write_bytes(f.read_bytes()[:50])
+    for method in ("frspec", "microspec"):
+        with pytest.raises(UserError, match="is damaged .*microspec build-freq --engine") as e:
+            LLM(engine, method, draft=random_draft_dir, max_seq_len=64)
+        assert "\n" not in str(e.value)

@@ -145,7 +145,18 @@ class LLM:
         if not f.exists():
             return None
         from safetensors.torch import load_file
-        return load_file(f)["ranked_ids"]
+        V = self.target.cfg.vocab_size
+        try:
+            ids = load_file(f)["ranked_ids"].long()
+        except Exception as e:  # cut short, or not a ranking
+            ids, why = None, one_line(e)
+        else:  # distinct ids of the vocabulary (build-freq writes all of them); others are another engine's
+            ok = ids.dim() == 1 and ids.numel() > 0 and 0 <= int(ids.min()) and int(ids.max()) < V \
+                and ids.unique().numel() == ids.numel()
+            why = None if ok else f"not a ranking of distinct ids of the engine's {V}"
+        if why:
+            raise UserError(f"{f} is damaged ({why}): rebuild it with `microspec build-freq --engine {self.engine_dir}`")
+        return ids
 
     @property
     def max_seq_len(self) -> int:
