@@ -74,8 +74,9 @@ def fig6(micro: dict[str, list[dict]], path: Path) -> None:
     ax.set_xlabel("W_max")
     ax.set_ylabel("tokens/s", color="tab:green")
     ax2.set_ylabel("mean acceptance length", color="tab:blue")
-    if len(micro) > 1:
-        fig.legend(fontsize=6, loc="lower right")
+    if len(micro) > 1:  # one legend for both axes' lines
+        lines = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+        ax2.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=6, loc="best")
     ax.set_title("MicroSpec: speed and acceptance length vs W_max")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
