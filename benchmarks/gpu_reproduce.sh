@@ -24,7 +24,7 @@ TRAIN_ARGS=${TRAIN_ARGS:---eval}
 METHODS=${METHODS:-ar,eagle,frspec,microspec}   # frspec needs `microspec build-freq --engine KEY` first
 LEVELS=${LEVELS:-1,2,4,8,16,32}  # sweep: the concurrency levels
 REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
-FILL_SWEEP=${FILL_SWEEP:-1024,2048}  # fill: W_max points beside the main 3072 (empty: none)
+FILL_SWEEP=${FILL_SWEEP:-1024}  # fill: W_max points beside the main 3072 (a comma list; empty: none)
 mkdir -p "$OUT"
 ms() { python3 -m trtllm_microspec.cli "$@"; }
 for stage in "$@"; do
