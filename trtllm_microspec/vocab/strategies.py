@@ -10,8 +10,9 @@ Every strategy exposes the same packed view -- rows `packed` [R, d] and the toke
   microspec  the paper's window with its unused slots filled (FILL below switches it back to the paper's): the
              window's ids, then the most frequent ids of a static ranking that are not in it, W_max + pinned
              ids in all; every id the stream brings in displaces the last fill id, never the reverse. Short prompts
-             leave the paper's window mostly empty (211 of 3,072 ids on the H200's chat prompts), and a packed
-             head of 2 x W_max rows costs about what one of W_max does, so the empty slots are free coverage.
+             leave the paper's window mostly empty (211 of 3,072 ids on average on the H200's chat prompts,
+             issue 23), while the draft head costs about the same at a few thousand rows (launch-bound on the
+             H200), so the empty slots are coverage almost for free; the head scores 2 x (W_max + pinned) rows.
   ctx-only   S_init only, never updated (ablation)
   ext-only   rounds only: starts from the target's top-K_ver after prefill (ablation)
   naive      the microspec window scored by an indexed GEMM over W_head[ids] each call (no packing,
