@@ -1,6 +1,7 @@
 """`python -m plugins.check_layers`: the Triton layer kernels against the torch reference on random inputs.
 
-Each op (add + RMSNorm, rotary + cache write, gated activation, attention over random tree / causal / windowed
+Each op (add + RMSNorm, rotary + cache write, gated activation, the skinny GEMM of the projections in every
+config it may be measured in (with bias, with SiLU / GELU x up in its prologue, rows 1 .. 64), attention over random tree / causal / windowed
 spans, and over batches of requests with their own committed lengths in a pool behind random block tables) and
 then whole forwards (one request, and a batch in a paged pool against each request alone) of small random
 Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
@@ -62,6 +63,19 @@ def check_norm(dev, dtype, g, d: int) -> float:
 def check_act(dev, dtype, g, inter: int) -> float:
     gu = torch.randn(5, 2 * inter, generator=g).to(dev, dtype) * 2
     return max(rel(*both(lambda: layers.act_mul(gu, gelu))) for gelu in (False, True))
+
+
+def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | None) -> list[tuple[str, float]]:
+    """Every skinny_configs candidate of this shape against the reference (act_mul, then F.linear)."""
+    from .triton_layers import skinny_configs, skinny_linear
+
+    x = torch.randn(M, 2 * K if act else K, generator=g).to(dev, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dev, dtype)
+    b = torch.randn(N, generator=g).to(dev, dtype) if bias else None
+    with layers.path(False):
+        ref = layers.linear(x, w, b, act)
+    return [(str(c), rel(skinny_linear(x, w, b, act, c), ref))
+            for c in skinny_configs(M, N, K, dtype == torch.float32)]
 
 
 def check_rope(dev, dtype, g, H: int, KV: int, D: int, qk_norm: bool) -> float:
@@ -276,6 +290,21 @@ def run(dev: str, big: bool) -> int:
     rows = []
     dtypes = [torch.bfloat16, torch.float32] if dev == "cuda" else [torch.float32]
     shapes = [(9, 3, 64), (4, 1, 256), (12, 2, 128)] if big else [(4, 2, 32), (4, 1, 64)]
+    # (rows, N, K, bias, act): odd sizes (masks, splits), and on a GPU qwen2.5-coder-1.5b's q|k|v, O, gate|up,
+    # down (SiLU; GELU as Gemma's) and LM head at the decode / draft / verify rows (rows None: 1, 4, 16, 60, 64)
+    lin = [(1, 37, 300, True, None), (5, 50, 96, False, None), (17, 37, 520, False, "silu"),
+           (33, 20, 300, False, "gelu"), (64, 70, 130, True, None), (16, 16, 64, False, None)]
+    if big:
+        lin += [(None, 2048, 1536, True, None), (None, 1536, 1536, False, None), (None, 17920, 1536, False, None),
+                (None, 1536, 8960, False, "silu"), (None, 1536, 8960, False, "gelu"),
+                (None, 151936, 1536, False, None)]
+    for dtype in (torch.bfloat16, torch.float32):  # bf16 under the interpreter too (it rounds bf16 down: in tol)
+        dn = str(dtype).removeprefix("torch.")
+        for M, N, K, bias, act in lin:
+            for m in [M] if M else [1, 4, 16, 60, 64]:
+                for config, err in check_linear(dev, dtype, g, m, N, K, bias, act):
+                    rows.append((f"skinny linear M={m} N={N} K={K} bias={bias} act={act} {config} {dn}", err,
+                                 TOL[dtype]))
     for dtype in dtypes:
         tol = TOL[dtype]
         dn = str(dtype).removeprefix("torch.")
