@@ -194,7 +194,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, a
     rows run plugins/triton_layers.skinny_linear with the config measured fastest for this shape and rows
     bucket, when it beat cuBLAS (linear_choice); otherwise act_mul + F.linear, as before."""
     x2 = x.reshape(-1, x.shape[-1])
-    if 0 < x2.shape[0] <= SKINNY_ROWS and fast(x2, w, bias) and w.is_contiguous() and x2.stride(-1) == 1:
+    if (0 < x2.shape[0] <= SKINNY_ROWS and fast(x2, w, bias) and w.is_contiguous() and x2.stride(-1) == 1
+            and w.numel() < 2 ** 31):  # the kernel's offsets are 32-bit
         from . import triton_layers as tk
 
         if _FORCE:  # the checks: always the kernel (a split config where the shape has one)
@@ -216,7 +217,7 @@ def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a
     key = (x.device, *w.shape, 1 << (M - 1).bit_length(), x.dtype, bias is not None, act)
     got = _LINEAR.get(key)
     if got is None:
-        if torch.cuda.is_current_stream_capturing():
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return {"config": None}
         got = _LINEAR[key] = _measure_linear(x, w, bias, act)
     return got
