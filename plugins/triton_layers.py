@@ -282,8 +282,6 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
 # multiplies act(gate) * up (rounded as act_mul rounds) while loading, so the down projection needs no separate
 # activation launch. layers.linear picks a config (or cuBLAS) per shape by measurement.
 
-SKINNY_ROWS = 64
-
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, k_split, stride_xm,
@@ -350,6 +348,8 @@ def skinny_configs(M: int, N: int, K: int, fp32: bool, sms: int = 132) -> list[t
 def skinny_linear(x, w, bias, act, config):
     """x [M, K] (act: gate | up [M, 2K], act 'silu' or 'gelu') @ w [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
     import torch
+
+    from .layers import SKINNY_ROWS
 
     M = x.shape[0]
     N, K = w.shape
