@@ -1,13 +1,15 @@
 """`python -m plugins.check_layers`: the Triton layer kernels against the torch reference on random inputs.
 
-Each op (add + RMSNorm, rotary + cache write, gated activation, the skinny GEMM of the projections in every
-config it may be measured in (with bias, with SiLU / GELU x up in its prologue, rows 1 .. 64), attention over random tree / causal / windowed
-spans, and over batches of requests with their own committed lengths in a pool behind random block tables) and
-then whole forwards (one request, and a batch in a paged pool against each request alone) of small random
-Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
-unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
-bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
-small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1 on any failure.
+Each op (add + RMSNorm, rotary + cache write, gated activation, the projections' skinny GEMM in every config
+it may be measured in (with bias, with SiLU / GELU x up in its prologue, split K, rows 1 .. 64, bf16 and fp32
+even under the interpreter), attention over random tree / causal / windowed spans, and over batches of requests
+with their own committed lengths in a pool behind random block tables) and then whole forwards (one request,
+and a batch in a paged pool against each request alone) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3
+(sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned
+first (caches too) so an unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64
+reference for attention; bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1
+(the test suite does, on small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1
+on any failure.
 """
 from __future__ import annotations
 

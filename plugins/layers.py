@@ -1,10 +1,10 @@
-"""The decoder layer's fused pieces: residual add + RMSNorm, rotary + KV-cache write, gated activation, and
-attention over a `Span`, and the projections (`linear`). Each function here is the plain-torch reference (the CPU path, training under autograd,
-and what the checks compare against); on CUDA, outside autograd, it calls the Triton kernel of
-plugins/triton_layers.py instead, one launch per call (attention: one, plus a split combine for long spans;
-prefill spans of LONG_ROWS rows or more stay on the reference, whose SDPA is faster there).
-The projections are the exception to "one kernel per call": a skinny-GEMM kernel runs only where it measured
-faster than cuBLAS (`linear_choice`), so the default is never slower than F.linear.
+"""The decoder layer's fused pieces: residual add + RMSNorm, rotary + KV-cache write, gated activation,
+attention over a `Span`, and the projections (`linear`). Each function here is the plain-torch reference (the CPU
+path, training under autograd, and what the checks compare against); on CUDA, outside autograd, it calls the
+Triton kernel of plugins/triton_layers.py instead, one launch per call (attention: one, plus a split combine for
+long spans; prefill spans of LONG_ROWS rows or more stay on the reference, whose SDPA is faster there). The
+projections run their skinny GEMM only at 1-64 rows and only where it measured faster than cuBLAS for the shape
+(`linear_choice`), so that default is never slower than F.linear.
 MICROSPEC_PLUGINS=torch keeps the reference everywhere (A/B runs)."""
 from __future__ import annotations
 
@@ -221,11 +221,6 @@ def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a
             return {"config": None}
         got = _LINEAR[key] = _measure_linear(x, w, bias, act)
     return got
-
-
-def linear_choices() -> dict[tuple, dict]:
-    """Every measurement so far (for `microspec profile`)."""
-    return dict(_LINEAR)
 
 
 def _measure_linear(x, w, bias, act) -> dict:

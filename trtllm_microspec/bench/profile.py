@@ -180,7 +180,8 @@ def projection_table(target, rows: list[int], timer) -> list[dict]:
                     if best is None or us < best:
                         best, best_cfg = us, cfg
                 out.append(dict(rows=M, projection=name, n=N, k=K, mb=nbytes / 1e6, cublas_us=cublas,
-                                cublas_pct=pct(nbytes, cublas), skinny_us=best, skinny_config=best_cfg and list(best_cfg),
+                                cublas_pct=pct(nbytes, cublas), skinny_us=best,
+                                skinny_config=best_cfg and list(best_cfg),
                                 skinny_pct=best and pct(nbytes, best), default_us=default,
                                 default_pct=pct(nbytes, default), default_runs=f"skinny {pick}" if pick else "cuBLAS"))
                 print(f"profile: rows {M:3d} {name:22s} cuBLAS {cublas:7.1f} us, skinny {best or 0:7.1f} us, "
@@ -208,12 +209,12 @@ def markdown(rows, layer_rows, proj_rows, meta) -> str:
     lines += ["", "Projections (layer 0) and the LM head: cuBLAS vs the fastest skinny-GEMM config vs the default "
               "path (what the model runs: the skinny GEMM where it measured >= 3% faster at first use, else cuBLAS); "
               "us and % of copy bandwidth:", "",
-              "| rows | projection | N x K | MB | cuBLAS us | % BW | skinny us | % BW | config (BLOCK_N, BLOCK_K, splits) "
-              "| default us | % BW | default runs |", "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+              "| rows | projection | N x K | MB | cuBLAS us | % BW | skinny us | % BW | "
+              "config (BLOCK_N, BLOCK_K, splits) | default us | % BW | default runs |", "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in proj_rows:
         sk = "- | -" if r["skinny_us"] is None else f"{r['skinny_us']:.1f} | {r['skinny_pct']:.0f}"
-        lines.append(f"| {r['rows']} | {cell(r['projection'])} | {r['n']} x {r['k']} | {r['mb']:.2f} | {r['cublas_us']:.1f} | "
-                     f"{r['cublas_pct']:.0f} | {sk} | "
+        lines.append(f"| {r['rows']} | {cell(r['projection'])} | {r['n']} x {r['k']} | {r['mb']:.2f} | "
+                     f"{r['cublas_us']:.1f} | {r['cublas_pct']:.0f} | {sk} | "
                      f"{r['skinny_config'] and tuple(r['skinny_config'])} | {r['default_us']:.1f} | "
                      f"{r['default_pct']:.0f} | {r['default_runs']} |")
     return "\n".join(lines) + "\n"
