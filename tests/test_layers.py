@@ -1,7 +1,8 @@
 """The Triton layer kernels (plugins/triton_layers.py) against their torch reference (plugins/layers.py), run on
 the CPU by Triton's interpreter: every op on random inputs (tree, causal, draft-expansion and windowed attention
 spans, a split span, expanded positions; the projections' skinny GEMM in every config, bf16 and fp32) and
-whole forwards of small random Llama, Qwen2 and Gemma-3 models. The same check runs on a GPU with `python -m plugins.check_layers` (bf16 and fp32, the real shapes)."""
+whole forwards of small random Llama, Qwen2 and Gemma-3 models. The same check runs on a GPU with
+`python -m plugins.check_layers` (bf16 and fp32, the real shapes)."""
 from __future__ import annotations
 
 import os

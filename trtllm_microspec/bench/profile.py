@@ -210,7 +210,8 @@ def markdown(rows, layer_rows, proj_rows, meta) -> str:
               "path (what the model runs: the skinny GEMM where it measured >= 3% faster at first use, else cuBLAS); "
               "us and % of copy bandwidth:", "",
               "| rows | projection | N x K | MB | cuBLAS us | % BW | skinny us | % BW | "
-              "config (BLOCK_N, BLOCK_K, splits) | default us | % BW | default runs |", "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+              "config (BLOCK_N, BLOCK_K, splits) | default us | % BW | default runs |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in proj_rows:
         sk = "- | -" if r["skinny_us"] is None else f"{r['skinny_us']:.1f} | {r['skinny_pct']:.0f}"
         lines.append(f"| {r['rows']} | {cell(r['projection'])} | {r['n']} x {r['k']} | {r['mb']:.2f} | "
