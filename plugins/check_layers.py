@@ -80,6 +80,28 @@ def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | N
             for c in skinny_configs(M, N, K, dtype == torch.float32)]
 
 
+def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, act: bool, bias: bool):
+    """Compile the skinny GEMM for sm_90 without a GPU (Triton's own ptxas), with the 16-divisibility Triton
+    infers for real shapes: -> (shared memory bytes, whether the K loop is pipelined through cp.async)."""
+    from triton import compile as build
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .triton_layers import _skinny_kernel
+
+    dt = "fp32" if fp32 else "bf16"
+    block_n, block_k, splits = config
+    const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64,
+                 BLOCK_N=block_n, BLOCK_K=block_k, IEEE=fp32)
+    sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}, "part_ptr": "*fp32",
+           **{n: "i32" for n in ("M", "N", "K", "k_split", "stride_xm")}, **{k: "constexpr" for k in const}}
+    names = _skinny_kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in const and n != "M"}
+    k = build(ASTSource(_skinny_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+              options=dict(num_warps=4, num_stages=3 if fp32 or M > 16 else 4))
+    return k.metadata.shared, "cp.async" in k.asm["ptx"]
+
+
 def check_rope(dev, dtype, g, H: int, KV: int, D: int, qk_norm: bool) -> float:
     T, S = 9, 64
     qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dev, dtype)
