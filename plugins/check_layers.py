@@ -71,9 +71,10 @@ def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | N
     """Every skinny_configs candidate of this shape against the reference (act_mul, then F.linear)."""
     from .triton_layers import skinny_configs, skinny_linear
 
-    x = torch.randn(M, 2 * K if act else K, generator=g).to(dev, dtype)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dev, dtype)
-    b = torch.randn(N, generator=g).to(dev, dtype) if bias else None
+    gd = torch.Generator(device=dev).manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))  # the LM head:
+    x = torch.randn(M, 2 * K if act else K, generator=gd, device=dev).to(dtype)  # 233M draws, on the device
+    w = (torch.randn(N, K, generator=gd, device=dev) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=gd, device=dev).to(dtype) if bias else None
     with layers.path(False):
         ref = layers.linear(x, w, b, act)
     return [(str(c), rel(skinny_linear(x, w, b, act, c), ref))
