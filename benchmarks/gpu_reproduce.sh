@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_reproduce.sh STAGE [STAGE ...]      (KEY=qwen2.5-coder-1.5b by default)
 # Stages:
 #   checks     the custom ops and the Triton layer kernels against their torch references (random inputs)
-#   profile    per-phase time and kernel counts of a decode step, Triton vs the torch reference; one layer's pieces
+#   profile    per-phase time and kernel counts of a decode step, default path vs the torch reference; one layer's
+#              pieces; each projection: cuBLAS vs the skinny GEMM vs the default
 #   kernels-ab the Triton layer kernels (skinny GEMM configs included) against the torch reference, then the
 #              profile with the per-projection A/B table (cuBLAS vs skinny GEMM vs default) at rows 1,4,16,60,64
 #   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16, alone and batched
