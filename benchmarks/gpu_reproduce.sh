@@ -4,7 +4,10 @@
 #   bash benchmarks/gpu_reproduce.sh STAGE [STAGE ...]      (KEY=qwen2.5-coder-1.5b by default)
 # Stages:
 #   checks     the custom ops and the Triton layer kernels against their torch references (random inputs)
-#   profile    per-phase time and kernel counts of a decode step, Triton vs the torch reference; one layer's pieces
+#   profile    per-phase time and kernel counts of a decode step, default path vs the torch reference; one layer's
+#              pieces; each projection: cuBLAS vs the skinny GEMM vs the default
+#   kernels-ab the Triton layer kernels (skinny GEMM configs included) against the torch reference, then the
+#              profile with the per-projection A/B table (cuBLAS vs skinny GEMM vs default) at rows 1,4,16,60,64
 #   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16, alone and batched
 #              (the batched engine's CUDA graphs, padding rows included)
 #   train      train an EAGLE head for KEY into $HEAD (<= TRAIN_LIMIT s wall, caching included), with --eval
@@ -35,6 +38,11 @@ for stage in "$@"; do
       python3 -m plugins.check_layers | tee "$OUT/check_layers.txt" | grep -v "^PASS" ;;
     profile)
       ms profile --engine "$KEY" --out "$OUT/profile_$KEY.md" ;;
+    kernels-ab)
+      { python3 -m plugins.check_layers || echo "check_layers FAILED (the profile still runs: a skinny config that"\
+          "disagrees with cuBLAS at first use is never picked)"; } | tee "$OUT/check_layers.txt" | grep -v "^PASS"
+      ms profile --engine "$KEY" --rows 1,4,16,60,64 --iters 20 --out "$OUT/kernels_ab_$KEY.md" 2>&1 \
+        | grep -v "^profile: rows" ;;
     lossless)
       python3 - "$KEY" "$OUT/random_head" <<'EOF'
 import sys, torch

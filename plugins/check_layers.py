@@ -1,12 +1,15 @@
 """`python -m plugins.check_layers`: the Triton layer kernels against the torch reference on random inputs.
 
-Each op (add + RMSNorm, rotary + cache write, gated activation, attention over random tree / causal / windowed
-spans, and over batches of requests with their own committed lengths in a pool behind random block tables) and
-then whole forwards (one request, and a batch in a paged pool against each request alone) of small random
-Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
-unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
-bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
-small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1 on any failure.
+Each op (add + RMSNorm, rotary + cache write, gated activation, the projections' skinny GEMM in every config
+it may be measured in (with bias, with SiLU / GELU x up in its prologue, split K, rows 1 .. 64, bf16 and fp32
+even under the interpreter), attention over random tree / causal / windowed spans, and over batches of requests
+with their own committed lengths in a pool behind random block tables) and then whole forwards (one request,
+and a batch in a paged pool against each request alone) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3
+(sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned
+first (caches too) so an unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64
+reference for attention; bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1
+(the test suite does, on small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1
+on any failure.
 """
 from __future__ import annotations
 
@@ -62,6 +65,42 @@ def check_norm(dev, dtype, g, d: int) -> float:
 def check_act(dev, dtype, g, inter: int) -> float:
     gu = torch.randn(5, 2 * inter, generator=g).to(dev, dtype) * 2
     return max(rel(*both(lambda: layers.act_mul(gu, gelu))) for gelu in (False, True))
+
+
+def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | None) -> list[tuple[str, float]]:
+    """Every skinny_configs candidate of this shape against the reference (act_mul, then F.linear)."""
+    from .triton_layers import skinny_configs, skinny_linear
+
+    gd = torch.Generator(device=dev).manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))  # the LM head:
+    x = torch.randn(M, 2 * K if act else K, generator=gd, device=dev).to(dtype)  # 233M draws, on the device
+    w = (torch.randn(N, K, generator=gd, device=dev) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=gd, device=dev).to(dtype) if bias else None
+    with layers.path(False):
+        ref = layers.linear(x, w, b, act)
+    return [(str(c), rel(skinny_linear(x, w, b, act, c), ref))
+            for c in skinny_configs(M, N, K, dtype == torch.float32)]
+
+
+def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, act: bool, bias: bool):
+    """Compile the skinny GEMM for sm_90 without a GPU (Triton's own ptxas), with the 16-divisibility Triton
+    infers for real shapes: -> (shared memory bytes, whether the K loop is pipelined through cp.async)."""
+    from triton import compile as build
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .triton_layers import _skinny_kernel
+
+    dt = "fp32" if fp32 else "bf16"
+    block_n, block_k, splits = config
+    const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64,
+                 BLOCK_N=block_n, BLOCK_K=block_k, IEEE=fp32)
+    sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}, "part_ptr": "*fp32",
+           **{n: "i32" for n in ("M", "N", "K", "k_split", "stride_xm")}, **{k: "constexpr" for k in const}}
+    names = _skinny_kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in const and n != "M"}
+    k = build(ASTSource(_skinny_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+              options=dict(num_warps=4, num_stages=3 if fp32 or M > 16 else 4))
+    return k.metadata.shared, "cp.async" in k.asm["ptx"]
 
 
 def check_rope(dev, dtype, g, H: int, KV: int, D: int, qk_norm: bool) -> float:
@@ -276,6 +315,21 @@ def run(dev: str, big: bool) -> int:
     rows = []
     dtypes = [torch.bfloat16, torch.float32] if dev == "cuda" else [torch.float32]
     shapes = [(9, 3, 64), (4, 1, 256), (12, 2, 128)] if big else [(4, 2, 32), (4, 1, 64)]
+    # (rows, N, K, bias, act): odd sizes (masks, splits), and on a GPU qwen2.5-coder-1.5b's q|k|v, O, gate|up,
+    # down (SiLU; GELU as Gemma's) and LM head at the decode / draft / verify rows (rows None: 1, 4, 16, 60, 64)
+    lin = [(1, 37, 300, True, None), (5, 50, 96, False, None), (17, 37, 520, False, "silu"),
+           (33, 20, 300, False, "gelu"), (64, 70, 130, True, None), (16, 16, 64, False, None)]
+    if big:
+        lin += [(None, 2048, 1536, True, None), (None, 1536, 1536, False, None), (None, 17920, 1536, False, None),
+                (None, 1536, 8960, False, "silu"), (None, 1536, 8960, False, "gelu"),
+                (None, 151936, 1536, False, None)]
+    for dtype in (torch.bfloat16, torch.float32):  # bf16 under the interpreter too (it rounds bf16 down: in tol)
+        dn = str(dtype).removeprefix("torch.")
+        for M, N, K, bias, act in lin:
+            for m in [M] if M else [1, 4, 16, 60, 64]:
+                for config, err in check_linear(dev, dtype, g, m, N, K, bias, act):
+                    rows.append((f"skinny linear M={m} N={N} K={K} bias={bias} act={act} {config} {dn}", err,
+                                 TOL[dtype]))
     for dtype in dtypes:
         tol = TOL[dtype]
         dn = str(dtype).removeprefix("torch.")

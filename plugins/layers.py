@@ -1,12 +1,16 @@
-"""The decoder layer's fused pieces: residual add + RMSNorm, rotary + KV-cache write, gated activation, and
-attention over a `Span`. Each function here is the plain-torch reference (the CPU path, training under autograd,
-and what the checks compare against); on CUDA, outside autograd, it calls the Triton kernel of
-plugins/triton_layers.py instead, one launch per call (attention: one, plus a split combine for long spans;
-prefill spans of LONG_ROWS rows or more stay on the reference, whose SDPA is faster there).
+"""The decoder layer's fused pieces: residual add + RMSNorm, rotary + KV-cache write, gated activation,
+attention over a `Span`, and the projections (`linear`). Each function here is the plain-torch reference (the CPU
+path, training under autograd, and what the checks compare against); on CUDA, outside autograd, it calls the
+Triton kernel of plugins/triton_layers.py instead, one launch per call (attention: one, plus a split combine for
+long spans; prefill spans of LONG_ROWS rows or more stay on the reference, whose SDPA is faster there). The
+projections run their skinny GEMM only at 1-64 rows and only where it measured faster than cuBLAS for the shape
+(`linear_choice`), so that default is never slower than F.linear.
 MICROSPEC_PLUGINS=torch keeps the reference everywhere (A/B runs)."""
 from __future__ import annotations
 
 import os
+import statistics
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -177,3 +181,98 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
                                        attn_mask=span.mask(window, q_pos, k_pos)[:, None], scale=scale,
                                        enable_gqa=True)
     return o.transpose(1, 2).reshape(B * T, H, D)
+
+
+SKINNY_ROWS = 64  # rows up to which a projection may run the Triton skinny GEMM (decode, draft and verify steps)
+MARGIN = 0.97  # the skinny GEMM replaces cuBLAS only when at least 3% faster (timing noise must not flip choices)
+_LINEAR: dict[tuple, dict] = {}  # per process: (device, N, K, rows bucket, dtype, bias, act) -> the measurement
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias). act ('silu' | 'gelu'): x is gate | up [.., 2K] and the input is act_mul(x), so the
+    down projection takes the gated activation into its prologue. On CUDA outside autograd, up to SKINNY_ROWS
+    rows run plugins/triton_layers.skinny_linear with the config measured fastest for this shape and rows
+    bucket, when it beat cuBLAS (linear_choice); otherwise act_mul + F.linear, as before."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if (0 < x2.shape[0] <= SKINNY_ROWS and fast(x2, w, bias) and w.is_contiguous() and x2.stride(-1) == 1
+            and w.numel() < 2 ** 31):  # the kernel's offsets are 32-bit
+        from . import triton_layers as tk
+
+        if _FORCE:  # the checks: always the kernel (a split config where the shape has one)
+            config = tk.skinny_configs(x2.shape[0], *w.shape, x.dtype == torch.float32)[-1]
+        else:
+            config = linear_choice(x2, w, bias, act)["config"]
+        if config is not None:
+            return tk.skinny_linear(x2, w, bias, act, config).view(*x.shape[:-1], w.shape[0])
+    if act is not None:
+        x = act_mul(x2, act == "gelu").view(*x.shape[:-1], -1)
+    return F.linear(x, w, bias)
+
+
+def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, act: str | None) -> dict:
+    """What `linear` runs for this call's shape: measured on the first eager call of each (shape, rows bucket)
+    in this process and kept. {"config": None (cuBLAS) or a skinny_configs entry, "torch_us", "triton_us"}.
+    Inside a CUDA-graph capture nothing can be timed: an unmeasured shape takes cuBLAS there (not kept)."""
+    M = x.shape[0]
+    key = (x.device, *w.shape, 1 << (M - 1).bit_length(), x.dtype, bias is not None, act)
+    got = _LINEAR.get(key)
+    if got is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return {"config": None}
+        got = _LINEAR[key] = _measure_linear(x, w, bias, act)
+    return got
+
+
+def _measure_linear(x, w, bias, act) -> dict:
+    """Time cuBLAS (act_mul + F.linear) and each skinny config on this very input, L2 flushed before each replay
+    (a decode step finds its weights cold); a config must also match cuBLAS's output. Any failure: cuBLAS."""
+    from . import triton_layers as tk
+
+    def ref():
+        return F.linear(act_mul(x, act == "gelu") if act else x, w, bias)
+
+    res = {"config": None, "torch_us": None, "triton_us": None}
+    try:
+        props = torch.cuda.get_device_properties(x.device)
+        flush = torch.empty(2 * getattr(props, "L2_cache_size", 64 << 20), dtype=torch.uint8, device=x.device)
+        want = ref()
+        res["torch_us"] = _replay_us(ref, flush)
+        tol = 1e-4 if x.dtype == torch.float32 else 1e-2
+        for config in tk.skinny_configs(x.shape[0], *w.shape, x.dtype == torch.float32, props.multi_processor_count):
+            def fn(config=config):
+                return tk.skinny_linear(x, w, bias, act, config)
+
+            try:
+                got = fn()
+                err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+                if not err <= tol:  # NaN included
+                    warnings.warn(f"skinny GEMM {config} differs from cuBLAS by {err:.1e} on {tuple(w.shape)}: skipped")
+                    continue
+                us = _replay_us(fn, flush)
+            except Exception as e:  # a config the GPU cannot run (resources): the others still compete
+                warnings.warn(f"skinny GEMM {config} on {tuple(w.shape)} failed: {e}")
+                continue
+            if res["triton_us"] is None or us < res["triton_us"]:
+                res["triton_us"], best = us, config
+        if res["triton_us"] is not None and res["triton_us"] < MARGIN * res["torch_us"]:
+            res["config"] = best
+    except Exception as e:  # measuring must never break a run: cuBLAS is correct
+        warnings.warn(f"skinny GEMM not measured for {tuple(w.shape)}, using cuBLAS: {e}")
+        res["config"] = None
+    return res
+
+
+def _replay_us(fn, flush: torch.Tensor, iters: int = 15) -> float:
+    """Median microseconds of one CUDA-graph replay of fn, L2 flushed before each (as kernels run in a step)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in events:
+        flush.zero_()
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events[2:])

@@ -5,8 +5,12 @@ shapes and reads device scalars (the span's committed length n) inside the kerne
 CUDA graphs and one captured step serves every n.
 
 Per layer: add+RMSNorm, [QKV GEMM], rotary+cache write, attention (+ a combine when the span is split),
-[O GEMM], add+RMSNorm, [gate|up GEMM], activation, [down GEMM]: 9-10 launches."""
+[O GEMM], add+RMSNorm, [gate|up GEMM], activation, [down GEMM]: 9-10 launches. The bracketed GEMMs are cuBLAS
+or, at 1-64 rows where it measured faster, the skinny GEMM below (+ a sum kernel when it splits K); its down
+projection applies the activation itself, one launch fewer."""
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -104,6 +108,17 @@ def rope_cache_write(qkv, heads, kv_heads, rope, positions, slots, k_cache, v_ca
 
 
 @triton.jit
+def _act(g, GELU: tl.constexpr):
+    """act(g) in float32: SiLU, or GELU's tanh approximation (tanh(z) = 2 sigmoid(2z) - 1)."""
+    if GELU:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0))
+    else:
+        a = g * tl.sigmoid(g)
+    return a
+
+
+@triton.jit
 def _act_mul_kernel(gu_ptr, out_ptr, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -111,12 +126,7 @@ def _act_mul_kernel(gu_ptr, out_ptr, n_cols, GELU: tl.constexpr, BLOCK: tl.const
     g = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=ok, other=0.0)
     u = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=ok, other=0.0)
     dtype = g.dtype
-    gf = g.to(tl.float32)
-    if GELU:  # tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
-        z = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
-        a = 0.5 * gf * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0))
-    else:
-        a = gf * tl.sigmoid(gf)
+    a = _act(g.to(tl.float32), GELU)
     tl.store(out_ptr + row * n_cols + cols, (a.to(dtype).to(tl.float32) * u.to(tl.float32)).to(dtype), mask=ok)
 
 
@@ -261,3 +271,102 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
         _combine_kernel[(R * H,)](part_o, part_ml, o, R * H, n_splits, NSPLIT=triton.next_power_of_2(n_splits), D=D,
                                   num_warps=1)
     return o
+
+
+# --- skinny GEMM: out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= SKINNY_ROWS (decode, draft, verify) ---
+# At these row counts a projection only streams its weight; cuBLAS often launches too few blocks to keep enough
+# bytes in flight (qkv at 16% of bandwidth on the H200). Here each program owns BLOCK_N weight rows and one split
+# of K, so the grid is cdiv(N, BLOCK_N) x splits programs and every weight byte is read once; with splits > 1 the
+# fp32 partials are summed in a fixed order by a second small kernel (deterministic, no atomics, no counters to
+# reset). ACT folds the gated activation into the prologue: x is then gate | up [M, 2K] and the program
+# multiplies act(gate) * up (rounded as act_mul rounds) while loading, so the down projection needs no separate
+# activation launch. layers.linear picks a config (or cuBLAS) per shape by measurement.
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, k_split, stride_xm,
+                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < k_hi
+        w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x_at = x_ptr + rm[:, None] * stride_xm + kk[None, :]
+        x_ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_at, mask=x_ok, other=0.0)
+        if ACT:  # x is the gate; up sits K columns further
+            u = tl.load(x_at + K, mask=x_ok, other=0.0)
+            a = _act(x.to(tl.float32), GELU).to(x.dtype).to(tl.float32)
+            x = (a * u.to(tl.float32)).to(u.dtype)
+        if IEEE:  # fp32, or the interpreter (its dot mishandles bf16): exact products, fp32 sums
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    out = rm[:, None] * N + rn[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + out, acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, splits):  # in split order: the same sum every run
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def skinny_configs(M: int, N: int, K: int, fp32: bool, sms: int = 132) -> list[tuple[int, int, int]]:
+    """The candidates layers.linear measures for one shape: (BLOCK_N, BLOCK_K, splits). Narrow and wide weight
+    tiles, each unsplit and split so that the grid has ~4 programs per SM (each split at least 2 K steps)."""
+    out = []
+    for block_n in (16, 64):  # shared memory: stages x (w + x (+ up)) tiles stays under ~150 KB on every pick
+        block_k = 64 if fp32 else 256 if M <= 16 and block_n == 16 else 128
+        tiles, steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+        splits = max(1, min(triton.cdiv(4 * sms, tiles), steps // 2))
+        splits = triton.cdiv(steps, triton.cdiv(steps, splits))  # no empty split
+        out += [(block_n, block_k, 1)] + ([(block_n, block_k, splits)] if splits > 1 else [])
+    return out
+
+
+def skinny_linear(x, w, bias, act, config):
+    """x [M, K] (act: gate | up [M, 2K], act 'silu' or 'gelu') @ w [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    import torch
+
+    from .layers import SKINNY_ROWS
+
+    M = x.shape[0]
+    N, K = w.shape
+    block_n, block_k, splits = config
+    assert M <= SKINNY_ROWS and w.is_contiguous() and x.stride(1) == 1 and x.shape[1] == (2 * K if act else K)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    splits = triton.cdiv(K, k_split)
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    b = bias if bias is not None else w
+    ieee = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    _skinny_kernel[(triton.cdiv(N, block_n), splits)](
+        x, w, b, out, part, M, N, K, k_split, x.stride(0), HAS_BIAS=bias is not None, ACT=act is not None,
+        GELU=act == "gelu", SPLIT=splits > 1, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n,
+        BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3 if x.dtype == torch.float32 or M > 16 else 4)
+    if splits > 1:
+        BLOCK = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, out, M * N, N, splits, HAS_BIAS=bias is not None,
+                                                        BLOCK=BLOCK, num_warps=4)
+    return out

@@ -1,7 +1,8 @@
 """The Triton layer kernels (plugins/triton_layers.py) against their torch reference (plugins/layers.py), run on
 the CPU by Triton's interpreter: every op on random inputs (tree, causal, draft-expansion and windowed attention
-spans, a split span, expanded positions) and whole forwards of small random Llama, Qwen2 and Gemma-3 models.
-The same check runs on a GPU with `python -m plugins.check_layers` (bf16 and fp32, the real shapes)."""
+spans, a split span, expanded positions; the projections' skinny GEMM in every config, bf16 and fp32) and
+whole forwards of small random Llama, Qwen2 and Gemma-3 models. The same check runs on a GPU with
+`python -m plugins.check_layers` (bf16 and fp32, the real shapes)."""
 from __future__ import annotations
 
 import os
@@ -20,3 +21,18 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
     lines = r.stdout.splitlines()
     assert r.returncode == 0, "\n".join(l for l in lines if not l.startswith("PASS")) + r.stderr[-2000:]
     assert lines[-1].endswith("passed") and any(l.startswith("PASS") and "model gemma3" in l for l in lines)
+    skinny = [l for l in lines if "skinny linear" in l]  # every config, both dtypes, split-K and both activations
+    assert all(any(w in l for l in skinny) for w in ("bfloat16", "float32", "act=silu", "act=gelu", "bias=True"))
+    assert any(", 2) bfloat16" in l for l in skinny) and any(", 2) float32" in l for l in skinny)  # K split in 2
+
+
+@pytest.mark.parametrize("M, fp32, act", [(1, False, True), (60, True, True), (60, False, False)])
+def test_skinny_gemm_builds_for_hopper_with_a_pipelined_k_loop(M, fp32, act):
+    """Every config the GPU may measure compiles for sm_90 (no GPU needed), streams its weight through cp.async
+    (a K loop that is not pipelined would leave the skinny GEMM latency-bound) and fits in shared memory."""
+    from plugins.check_layers import build_skinny_for_hopper
+    from plugins.triton_layers import skinny_configs
+
+    for config in skinny_configs(M, 1536, 8960, fp32):
+        smem, pipelined = build_skinny_for_hopper(M, config, fp32, act, bias=True)
+        assert pipelined and smem <= 160 * 1024, (config, smem)

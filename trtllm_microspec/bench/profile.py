@@ -4,15 +4,21 @@ Phases, each the median of --iters CUDA-graph replays timed with CUDA events, an
 launches (counted with torch.profiler on one eager run): one AR step (1 token + LM head + argmax), one tree
 verify (--tree nodes + LM head), one EAGLE-2 draft phase (depth + 1 draft forwards and full-vocabulary heads),
 a prefill of --prefill tokens, and the batched engine's AR step for each --batch size (one token per request, paged
-KV). Each on the Triton layer kernels and on the torch reference (the plain path)
-in the same run. Then one decoder layer at T = 1, piece by piece: time, the bytes it must move (weights, the KV
-it reads) and the bandwidth against the 4.2 TB/s copy bandwidth. --context committed tokens precede each step.
+KV). Each on the default path ("fast": the Triton layer kernels, and for each projection the skinny GEMM or
+cuBLAS, whichever layers.linear measured faster) and on the torch reference (the plain path) in the same run.
+Then one decoder layer at T = 1, piece by piece: time, the bytes it must move (weights, the KV it reads) and the
+bandwidth against the 4.2 TB/s copy bandwidth. Then each projection (q|k|v, O, gate|up, down with the gated
+activation, LM head) at each of --rows rows: cuBLAS (F.linear, after act_mul for the down projection), the
+fastest skinny-GEMM config, and the default path, each with its % of copy bandwidth.
+--context committed tokens precede each step.
 """
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 from plugins import layers
 from plugins.layers import KV_BLOCK
@@ -84,30 +90,32 @@ def run(a) -> None:
     timer = Timer(a.iters)
     rows = []
     for name, fn in phases.items():
-        for path, use in (("triton", True), ("reference", False)):
-            with layers.path(use), torch.no_grad():
+        for path, use in (("fast", True), ("reference", False)):
+            with nullcontext() if use else layers.path(False), torch.no_grad():
                 ms = timer(fn) / 1e3
                 k = count_kernels(fn)
             rows.append(dict(phase=name, path=path, ms=ms, kernels=k))
             print(f"profile: {name:48s} {path:9s} {ms:8.3f} ms {k:6d} kernels", flush=True)
     layer_rows = layer_table(target, n, S, timer)
+    proj_rows = projection_table(target, a.rows, timer)
     meta = dict(engine=str(a.engine), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 context=a.context, iters=a.iters, weights_gb=sum(p.numel() * 2 for p in target.parameters()) / 1e9)
-    write_report(a.out, markdown(rows, layer_rows, meta), dict(meta=meta, phases=rows, layer=layer_rows))
+    write_report(a.out, markdown(rows, layer_rows, proj_rows, meta),
+                 dict(meta=meta, phases=rows, layer=layer_rows, projections=proj_rows))
 
 
 def layer_table(target, n, S, timer) -> list[dict]:
-    """Layer 0 at T = 1, one piece at a time, on the Triton path."""
+    """Layer 0 at T = 1, one piece at a time, on the default path."""
     c, layer = target.cfg, target.layers[0]
     at, mlp = layer.self_attn, layer.mlp
     dev = n.device
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(1, c.hidden_size, generator=g, device=dev).to(torch.bfloat16)
-    qkv = at.qkv_proj(x)
+    qkv = layers.linear(x, at.qkv_proj.weight, at.qkv_proj.bias)
     q = torch.randn(1, c.num_heads, c.head_dim, generator=g, device=dev).to(torch.bfloat16)
     o = q.reshape(1, -1)
-    gu = mlp.gate_up_proj(x)
-    act = gu[:, : c.intermediate_size].contiguous()
+    gu = layers.linear(x, mlp.gate_up_proj.weight)
+    act = "gelu" if mlp.gelu else "silu"
     pos = n.view(1)
     span = Span(n, causal(1, dev), S)
     k, v = target.cache.k[0], target.cache.v[0]
@@ -119,19 +127,21 @@ def layer_table(target, n, S, timer) -> list[dict]:
 
     pieces = [
         ("add + RMSNorm", lambda: layers.add_rms_norm(x, x, norm.weight, norm.eps, norm.offset), 3 * x.numel() * 2),
-        ("QKV GEMM (+bias)", lambda: at.qkv_proj(x), wbytes(at.qkv_proj)),
+        ("QKV GEMM (+bias)", lambda: layers.linear(x, at.qkv_proj.weight, at.qkv_proj.bias), wbytes(at.qkv_proj)),
         ("rotary + KV write", lambda: layers.rope_cache_write(qkv, at.h, at.kv, target.rope_global, pos, pos, k, v,
                                                              None, at.eps), qkv.numel() * 4),
         ("attention", lambda: layers.attention(q, k, v, span, pos, target.cache.pos, 0, at.scale), kv_bytes),
-        ("O GEMM", lambda: at.o_proj(o), wbytes(at.o_proj)),
-        ("gate|up GEMM", lambda: mlp.gate_up_proj(x), wbytes(mlp.gate_up_proj)),
-        ("SiLU x up", lambda: layers.act_mul(gu, False), gu.numel() * 2 * 3 // 2),
-        ("down GEMM", lambda: mlp.down_proj(act), wbytes(mlp.down_proj)),
+        ("O GEMM", lambda: layers.linear(o, at.o_proj.weight), wbytes(at.o_proj)),
+        ("gate|up GEMM", lambda: layers.linear(x, mlp.gate_up_proj.weight), wbytes(mlp.gate_up_proj)),
+        (f"{act} x up (alone; folded into down when its skinny GEMM is picked)",
+         lambda: layers.act_mul(gu, act == "gelu"), gu.numel() * 2 * 3 // 2),
+        (f"down GEMM, {act} x up included", lambda: layers.linear(gu, mlp.down_proj.weight, act=act),
+         wbytes(mlp.down_proj)),
         ("whole layer", lambda: layer(x, x, None, (target.rope_global, pos, pos, span, target.cache.pos, 0, k, v)),
          wbytes(layer) + kv_bytes),
     ]
     out = []
-    with layers.path(True), torch.no_grad():
+    with torch.no_grad():
         for name, fn, nbytes in pieces:
             us = timer(fn)
             out.append(dict(piece=name, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3,
@@ -139,7 +149,51 @@ def layer_table(target, n, S, timer) -> list[dict]:
     return out
 
 
-def markdown(rows, layer_rows, meta) -> str:
+def projection_table(target, rows: list[int], timer) -> list[dict]:
+    """Layer 0's projections and the LM head at each row count: cuBLAS, the fastest skinny config, the default."""
+    from plugins import triton_layers as tk
+
+    layer = target.layers[0]
+    at, mlp = layer.self_attn, layer.mlp
+    act = "gelu" if mlp.gelu else "silu"
+    projections = [("q|k|v (+bias)", at.qkv_proj.weight, at.qkv_proj.bias, None), ("O", at.o_proj.weight, None, None),
+                   ("gate|up", mlp.gate_up_proj.weight, None, None),
+                   (f"down ({act} x up)", mlp.down_proj.weight, None, act), ("LM head", target.head_weight, None, None)]
+    g = torch.Generator(device=target.head_weight.device).manual_seed(2)
+    out = []
+
+    def pct(nbytes, us):
+        return 100 * nbytes / us / 1e6 / (COPY_BW / 1e12)
+
+    with torch.no_grad():
+        for M in rows:
+            for name, w, b, a in projections:
+                N, K = w.shape
+                x = torch.randn(M, 2 * K if a else K, generator=g, device=w.device).to(w.dtype)
+                nbytes = (w.numel() + (0 if b is None else b.numel()) + x.numel() + M * N) * w.element_size()
+                cublas = timer(lambda: F.linear(layers.act_mul(x, a == "gelu") if a else x, w, b))
+                default = timer(lambda: layers.linear(x, w, b, a))
+                pick = layers.linear_choice(x, w, b, a)["config"] if M <= layers.SKINNY_ROWS else None
+                best, best_cfg = None, None
+                for cfg in tk.skinny_configs(M, N, K, w.dtype == torch.float32) if M <= layers.SKINNY_ROWS else []:
+                    us = timer(lambda cfg=cfg: tk.skinny_linear(x, w, b, a, cfg))
+                    if best is None or us < best:
+                        best, best_cfg = us, cfg
+                out.append(dict(rows=M, projection=name, n=N, k=K, mb=nbytes / 1e6, cublas_us=cublas,
+                                cublas_pct=pct(nbytes, cublas), skinny_us=best,
+                                skinny_config=best_cfg and list(best_cfg),
+                                skinny_pct=best and pct(nbytes, best), default_us=default,
+                                default_pct=pct(nbytes, default), default_runs=f"skinny {pick}" if pick else "cuBLAS"))
+                print(f"profile: rows {M:3d} {name:22s} cuBLAS {cublas:7.1f} us, skinny {best or 0:7.1f} us, "
+                      f"default {default:7.1f} us ({out[-1]['default_runs']})", flush=True)
+    return out
+
+
+def cell(name: str) -> str:
+    return name.replace("|", "\\|")  # q|k|v, gate|up inside a markdown table cell
+
+
+def markdown(rows, layer_rows, proj_rows, meta) -> str:
     floor_ms = meta["weights_gb"] * 1e9 / COPY_BW * 1e3
     lines = [f"# profile of {meta['engine']} on {meta['device']}", "",
              f"torch {meta['torch']}; {meta['context']} committed tokens; medians of {meta['iters']} CUDA-graph "
@@ -148,10 +202,22 @@ def markdown(rows, layer_rows, meta) -> str:
              "| phase | path | ms | kernels | x floor |", "|---|---|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['phase']} | {r['path']} | {r['ms']:.3f} | {r['kernels']} | {r['ms'] / floor_ms:.2f} |")
-    lines += ["", "One decoder layer (layer 0) at T = 1 on the Triton path:", "",
+    lines += ["", "One decoder layer (layer 0) at T = 1 on the default path:", "",
               "| piece | us | MB moved | GB/s | % copy BW |", "|---|---:|---:|---:|---:|"]
     for r in layer_rows:
-        lines.append(f"| {r['piece']} | {r['us']:.1f} | {r['mb']:.2f} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} |")
+        lines.append(f"| {cell(r['piece'])} | {r['us']:.1f} | {r['mb']:.2f} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} |")
+    lines += ["", "Projections (layer 0) and the LM head: cuBLAS vs the fastest skinny-GEMM config vs the default "
+              "path (what the model runs: the skinny GEMM where it measured >= 3% faster at first use, else cuBLAS); "
+              "us and % of copy bandwidth:", "",
+              "| rows | projection | N x K | MB | cuBLAS us | % BW | skinny us | % BW | "
+              "config (BLOCK_N, BLOCK_K, splits) | default us | % BW | default runs |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+    for r in proj_rows:
+        sk = "- | -" if r["skinny_us"] is None else f"{r['skinny_us']:.1f} | {r['skinny_pct']:.0f}"
+        lines.append(f"| {r['rows']} | {cell(r['projection'])} | {r['n']} x {r['k']} | {r['mb']:.2f} | "
+                     f"{r['cublas_us']:.1f} | {r['cublas_pct']:.0f} | {sk} | "
+                     f"{r['skinny_config'] and tuple(r['skinny_config'])} | {r['default_us']:.1f} | "
+                     f"{r['default_pct']:.0f} | {r['default_runs']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,6 +230,8 @@ def register(sub) -> None:
     p.add_argument("--prefill", type=int, default=1000, help="prefill tokens")
     p.add_argument("--batch", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16],
                    help="comma list: batch sizes of the batched engine's AR step (paged KV)")
+    p.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 60],
+                   help="comma list: rows of the per-projection table (cuBLAS vs skinny GEMM vs default)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", help="write the markdown here and JSON beside it")
     p.set_defaults(func=run)

@@ -5,8 +5,8 @@ requests with T rows each: it takes the new tokens, their positions, the cache s
 a `Span`: per request the committed slots every row sees, a boolean mask over the new slots (an ancestor mask
 for tree verification, a causal one for decode and prefill), and the block table that places the request's
 slots in the shared pool. The layer's pieces (add + RMSNorm, rotary + cache write, gated activation,
-attention) are plugins/layers.py: plain torch on the CPU and under autograd, Triton kernels on CUDA; q|k|v and
-gate|up are one GEMM each.
+attention, the projections) are plugins/layers.py: plain torch on the CPU and under autograd, Triton kernels on
+CUDA; q|k|v and gate|up are one GEMM each, and the gated activation rides in the down projection's call.
 Weight names follow the Hugging Face layout without the `model.` prefix, so engines and official EAGLE
 checkpoints load with plain `load_state_dict`.
 """
@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plugins import layers
@@ -132,10 +131,11 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, positions, slots, span, k_pos, window, k_cache, v_cache):
         qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
-        q = layers.rope_cache_write(self.qkv_proj(x), self.h, self.kv, rope, positions, slots, k_cache, v_cache,
+        qkv = layers.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q = layers.rope_cache_write(qkv, self.h, self.kv, rope, positions, slots, k_cache, v_cache,
                                     qk_norm, self.eps)
         o = layers.attention(q, k_cache, v_cache, span, positions, k_pos, window, self.scale)
-        o = self.o_proj(o.reshape(x.shape[0], self.h * self.d))
+        o = layers.linear(o.reshape(x.shape[0], self.h * self.d), self.o_proj.weight)
         return parallel.all_reduce(o) if self.reduce else o
 
 
@@ -150,7 +150,8 @@ class MLP(nn.Module):
         self.gelu = cfg.gemma
 
     def forward(self, x):
-        y = self.down_proj(layers.act_mul(self.gate_up_proj(x), self.gelu))
+        gate_up = layers.linear(x, self.gate_up_proj.weight)
+        y = layers.linear(gate_up, self.down_proj.weight, act="gelu" if self.gelu else "silu")  # act_mul folded in
         return parallel.all_reduce(y) if self.reduce else y
 
 
@@ -273,7 +274,7 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, V]; under TP this rank's vocabulary slice [T, V / tp]: reduce it with `argmax` / `topk`."""
-        return F.linear(hidden, self.head_weight)
+        return layers.linear(hidden, self.head_weight)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The id of each row's largest logit [T]."""

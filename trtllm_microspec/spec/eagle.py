@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from plugins import layers
+
 from ..models.model import Block, KVCache, ModelConfig, Span, Transformer, rope_tables
 from ..models.registry import UserError
 
@@ -36,7 +38,8 @@ class EagleDraft(nn.Module):
         cache = cache or self.cache
         slots = span.physical(slots)
         cache.write_pos(slots, positions)
-        x = self.fc(torch.cat([self.target[0].embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+        x = layers.linear(torch.cat([self.target[0].embed(tokens), features.to(self.fc.weight.dtype)], dim=-1),
+                          self.fc.weight, self.fc.bias)
         attn_args = (self.rope, positions, slots, span, cache.pos, 0, cache.k[0], cache.v[0])
         res, delta = self.layers[0](x, None, None, attn_args)
         return res + delta
