@@ -12,6 +12,7 @@ is full, 503 Triton is shutting down or unreachable, 500 a fault of ours.
 """
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at run time
 import asyncio
+import functools
 import json
 import socket
 import threading
@@ -136,17 +137,13 @@ class Front:
         async def http_error(_, e: HTTPException):  # unknown routes (404), wrong methods (405)
             return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-        @app.exception_handler(Exception)
-        async def our_fault(_, e: Exception):
-            return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", "server_error",
-                                         code="internal_error").body(), status_code=500)
-
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
                                                 "owned_by": "microspec"}]}
 
         @app.post("/v1/completions")
+        @ours
         async def completions(request: Request):
             req = await parse(CompletionRequest, request)
             prompt = req.prompt
@@ -158,6 +155,7 @@ class Front:
             return await self.generate(req, prompt, "completion", request, JSONResponse, StreamingResponse)
 
         @app.post("/v1/chat/completions")
+        @ours
         async def chat(request: Request):
             req = await parse(ChatRequest, request)
             messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
@@ -275,6 +273,21 @@ class Front:
                            "server_error", code="unavailable") from None
         finally:
             call.cancel()
+
+
+def ours(handler):
+    """Any other exception in a handler is our fault: a 500 with OpenAI's body (an exception handler for Exception
+    would make Starlette re-raise it after the response and drop the connection)."""
+    @functools.wraps(handler)
+    async def guarded(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except APIError:
+            raise
+        except Exception as e:
+            raise APIError(500, f"{type(e).__name__}: {e}", "server_error", code="internal_error") from e
+
+    return guarded
 
 
 async def parse(model, request):
