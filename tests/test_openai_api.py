@@ -334,3 +334,37 @@ def test_openai_and_grpc_requests_share_the_batch(served, offline):
     pieces[1].extend(via_grpc)
     assert ["".join(p) for p in pieces] == [offline.generate(LONG_PROMPT, 48).text,
                                             offline.generate(PROMPT, MAX_TOKENS).text]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_microspec_client_over_openai_equals_grpc(served, offline, chat):
+    """`microspec client --url http://.../v1` runs the request the gRPC address runs: same text and statistics."""
+    from trtllm_microspec.serving import client as grpc_client
+
+    want = offline.generate(MESSAGES[1:] if chat else PROMPT, MAX_TOKENS, chat=chat)
+    prompt = MESSAGES[1]["content"] if chat else PROMPT
+    for stream in (True, False):
+        via_openai = grpc_client.generate(served.url, prompt, MAX_TOKENS, stream=stream, chat=chat)
+        via_grpc = grpc_client.generate(served.grpc_url, prompt, MAX_TOKENS, stream=stream, chat=chat)
+        assert via_openai.text == via_grpc.text == want.text
+        assert via_openai.stats == pytest.approx(via_grpc.stats)
+        assert via_openai.stats["num_output_tokens"] == want.num_new_tokens
+        assert len(via_openai.pieces) > 1 if stream else len(via_openai.pieces) == 1
+
+
+def test_load_and_bench_over_openai(served, tmp_path, capsys):
+    """The load mode and `bench --server` take the OpenAI endpoint like the gRPC address."""
+    from trtllm_microspec.cli import main
+    from trtllm_microspec.serving import client as grpc_client
+
+    r = grpc_client.load(served.url, [PROMPT, LONG_PROMPT], concurrency=2, requests=2, max_tokens=8)
+    assert (r["completed"], r["errors"], r["output_tokens"]) == (2, [], 16)
+    assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p50"] > 0
+    main(["bench", "--server", served.url, "--concurrency", "1,2", "--categories", "translation", "--limit", "2",
+          "--max-new-tokens", "6", "--warmup", "0", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [(x["concurrency"], x["completed"], x["errors"]) for x in res["levels"]] == [(1, 2, []), (2, 2, [])]
+    assert "| 2 | 2/2 |" in (tmp_path / "results.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["client", "--url", served.url, "--prompt", "Hi", "--end-id", "3"])
+    assert e.value.code == 2 and "end_id is not part of the OpenAI API" in capsys.readouterr().err

@@ -113,7 +113,7 @@ class Front:
     def app(self):
         try:
             from fastapi import FastAPI, Request
-            from fastapi.responses import JSONResponse, StreamingResponse
+            from fastapi.responses import JSONResponse
             from starlette.exceptions import HTTPException
         except ModuleNotFoundError:
             raise UserError("the OpenAI endpoint needs the serve extra: pip install fastapi uvicorn") from None
@@ -145,19 +145,19 @@ class Front:
         @app.post("/v1/completions")
         @ours
         async def completions(request: Request):
-            req = await parse(CompletionRequest, request)
+            req = self.check(await parse(CompletionRequest, request))
             prompt = req.prompt
             if isinstance(prompt, list):
                 if len(prompt) != 1:
                     raise APIError(400, "prompt: one prompt per request (a list of one string at most)",
                                    param="prompt")
                 prompt = prompt[0]
-            return await self.generate(req, prompt, "completion", request, JSONResponse, StreamingResponse)
+            return await self.generate(req, prompt, "completion", request)
 
         @app.post("/v1/chat/completions")
         @ours
         async def chat(request: Request):
-            req = await parse(ChatRequest, request)
+            req = self.check(await parse(ChatRequest, request))
             messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                          else "".join(p.text for p in m.content)} for m in req.messages]
             try:
@@ -166,11 +166,12 @@ class Front:
                 raise APIError(400, str(e), param="messages") from None
             if req.max_completion_tokens is not None:
                 req.max_tokens = req.max_completion_tokens
-            return await self.generate(req, prompt, "chat", request, JSONResponse, StreamingResponse)
+            return await self.generate(req, prompt, "chat", request)
 
         return app
 
-    def check(self, req) -> None:
+    def check(self, req):
+        """The request, unless it names another model or asks for what this server does not do."""
         if req.model != self.model:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
@@ -181,9 +182,11 @@ class Front:
             if name in body and body[name] not in allowed:
                 raise APIError(400, f"{name} is not supported by this server (got {body[name]!r})", param=name,
                                code="unsupported_parameter")
+        return req
 
-    async def generate(self, req, prompt: str, kind: str, request, JSONResponse, StreamingResponse):
-        self.check(req)
+    async def generate(self, req, prompt: str, kind: str, request):
+        from fastapi.responses import JSONResponse, StreamingResponse
+
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS[kind]
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
