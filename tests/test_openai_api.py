@@ -168,10 +168,14 @@ def test_sampled_with_a_seed_is_repeatable(served, offline):
 
 
 def test_stop_sequences(served, offline):
-    """The text ends right before the first stop sequence, streamed (no half-sent stop sequence) or not."""
+    """The text ends right before the first stop sequence, streamed or not. Streamed, the stop sequence spans two
+    pieces: its first part is held back, not sent, until the next piece shows whether it is one."""
     want = offline.generate(PROMPT, MAX_TOKENS).text
-    stop = want[len(want) // 2:][:3]
-    args = dict(model="microspec", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop, "never"])
+    args = dict(model="microspec", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    pieces = [c.choices[0].text for c in served.client.completions.create(**args, stream=True)]
+    at = next(i for i in range(1, len(pieces) - 1) if pieces[i] and pieces[i + 1])
+    stop = pieces[at][-1] + pieces[at + 1][:2]  # the last character of one piece, the first two of the next
+    args["stop"] = [stop, "never"]
     r = served.client.completions.create(**args)
     assert r.choices[0].text == want[:want.index(stop)] and r.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in served.client.completions.create(**args, stream=True))
@@ -329,7 +333,10 @@ def test_openai_and_grpc_requests_share_the_batch(served, offline):
                                                        temperature=0, stream=True))
     via_grpc = grpc_client.stream(served.grpc_url, PROMPT, MAX_TOKENS)
     pieces = [next(via_openai).choices[0].text], [next(via_grpc)]
-    assert gauges(served)["microspec_running_requests"] == 2
+    deadline = time.monotonic() + 10  # the gauges are set after the step that sent the first pieces
+    while gauges(served)["microspec_running_requests"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     pieces[0].extend(c.choices[0].text for c in via_openai)
     pieces[1].extend(via_grpc)
     assert ["".join(p) for p in pieces] == [offline.generate(LONG_PROMPT, 48).text,
@@ -360,7 +367,12 @@ def test_load_and_bench_over_openai(served, tmp_path, capsys):
     r = grpc_client.load(served.url, [PROMPT, LONG_PROMPT], concurrency=2, requests=2, max_tokens=8)
     assert (r["completed"], r["errors"], r["output_tokens"]) == (2, [], 16)
     assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p50"] > 0
-    main(["bench", "--server", served.url, "--concurrency", "1,2", "--categories", "translation", "--limit", "2",
+    data = tmp_path / "data"  # two questions in Spec-Bench's format
+    (data / "spec_bench").mkdir(parents=True)
+    (data / "spec_bench" / "question.jsonl").write_text("".join(
+        json.dumps({"question_id": i, "category": "translation", "turns": [t]}) + "\n"
+        for i, t in enumerate(["Translate to French: good morning.", "Translate to German: thank you."])))
+    main(["bench", "--server", served.url, "--concurrency", "1,2", "--categories", "translation", "--data", str(data),
           "--max-new-tokens", "6", "--warmup", "0", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "results.json").read_text())
     assert [(x["concurrency"], x["completed"], x["errors"]) for x in res["levels"]] == [(1, 2, []), (2, 2, [])]
