@@ -11,6 +11,8 @@
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
 #   sampling   the same at temperature 0.7 (speculative sampling)
 #   sweep      in-flight batching: ar, eagle, microspec at concurrency LEVELS, and vLLM with every prompt at once
+#   openai     serve --openai-port: the same load through gRPC and the OpenAI endpoint at concurrency 1 and 64
+#              (benchmarks/gpu_openai_overhead.sh; needs the serve extra, nvidia-pytriton and STUB_SITE)
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
 OUT=${OUT:-gpu_out}
@@ -59,6 +61,8 @@ EOF
     sweep)
       ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,microspec,vllm --concurrency "$LEVELS" \
         --limit "$LIMIT" --max-new-tokens "$TOKENS" --warmup 2 --out "$OUT/sweep_$KEY" | grep "tok/s" ;;
+    openai)
+      OUT="$OUT/openai_$KEY" LEVELS="1 64" bash benchmarks/gpu_openai_overhead.sh "$KEY" "$HEAD" | tail -9 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
