@@ -16,6 +16,8 @@
 #   sweep      in-flight batching: ar, eagle, microspec at concurrency LEVELS, and vLLM with every prompt at once
 #   fill       the paper's window (microspec-paper) vs the filled one (microspec) beside eagle and frspec, per
 #              category, and both over W_max FILL_SWEEP (Fig. 6, Fig. 1b's filled line); runs build-freq if missing
+#   openai     serve --openai-port: the same load through gRPC and the OpenAI endpoint at concurrency 1 and 64
+#              (benchmarks/gpu_openai_overhead.sh; needs the serve extra, nvidia-pytriton and STUB_SITE)
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
 OUT=${OUT:-gpu_out}
@@ -76,6 +78,8 @@ EOF
       ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,frspec,microspec-paper,microspec --limit "$LIMIT" \
         --max-new-tokens "$TOKENS" --warmup 2 ${FILL_SWEEP:+--w-max-sweep "$FILL_SWEEP"} --out "$OUT/fill_$KEY" \
         | grep "tok/s" ;;
+    openai)
+      OUT="$OUT/openai_$KEY" LEVELS="1 64" bash benchmarks/gpu_openai_overhead.sh "$KEY" "$HEAD" | tail -9 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

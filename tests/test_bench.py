@@ -109,7 +109,7 @@ def test_questions():
                                   ["--concurrency", "2", "--methods", "ar,hf"],
                                   ["--concurrency", "2", "--methods", "ar,naive"], ["--concurrency", "0"],
                                   ["--concurrency", "2,x"],
-                                  ["--concurrency", "2", "--tp", "2"]])
+                                  ["--concurrency", "2", "--tp", "2"], ["--server", "127.0.0.1:1"]])
 def test_bad_input(args, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--out", str(tmp_path), *args])

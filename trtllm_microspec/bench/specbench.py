@@ -298,7 +298,9 @@ def cmd_bench(a) -> None:
             raise UserError(f"unknown category {c!r}; choose from {', '.join(CATEGORIES)}")
     if a.limit is not None and a.limit < 1:
         raise UserError("--limit must be at least 1")
-    if a.concurrency is not None:
+    if a.server and not a.concurrency:
+        raise UserError("--server measures a running server under load: give --concurrency too")
+    if a.concurrency is not None and not a.server:
         from ..llm import BATCHED
 
         unbatched = [m for m in a.methods if m not in BATCHED + (VLLM, VLLM_EAGLE)]
@@ -313,6 +315,8 @@ def cmd_bench(a) -> None:
     questions = load_questions(data_dir(a.data), a.categories, a.limit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.server:
+        return served_load(a, questions, sampling, out)
     res = {"config": {k: v for k, v in vars(a).items() if k != "func"}, "categories": a.categories,
            "runs": {}, "notes": []}
     ar_ids: dict = {}
@@ -356,6 +360,40 @@ def cmd_bench(a) -> None:
             write(res, out)  # after every run, so that an interrupted benchmark still leaves what it measured
     if parallel.rank() == 0:
         print(out / "results.md")
+
+
+def served_load(a, questions: list[dict], sampling: dict, out: Path) -> None:
+    """--server URL --concurrency ...: every question's first turn (chat) sent to a running `microspec serve`, over
+    gRPC (host:port) or its OpenAI endpoint (http://host:port/v1), at most c at once per level: the client's view
+    (`microspec client` load mode's report), so that both APIs can be compared on the same server and prompts."""
+    from ..serving.client import load
+
+    prompts = [q["turns"][0] for q in questions]
+    # the model's sampling inputs (TensorRT-LLM's names); greedy: none
+    kw = dict(chat=True, stream=True, sampling={("random_seed" if k == "seed" else k): v
+                                                for k, v in sampling.items() if v is not None})
+    res = {"config": {k: v for k, v in vars(a).items() if k != "func"}, "server": a.server, "levels": []}
+    for c in a.concurrency:
+        if a.warmup:  # the same requests once, unmeasured: the server captures the CUDA graphs they need
+            load(a.server, prompts, c, len(prompts), a.max_new_tokens, **kw)
+        r = load(a.server, prompts, c, len(prompts), a.max_new_tokens, **kw)
+        log(f"{a.server}: {r['completed']}/{r['requests']} first turns at concurrency {c}: "
+            f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s")
+        for e in sorted(set(r["errors"])):
+            log(f"error ({r['errors'].count(e)}x): {e}")
+        res["levels"].append(r)
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    ms = lambda p: " | ".join(_fmt(p[k] and p[k] * 1e3, ".1f") for k in ("p50", "p90", "p99"))  # noqa: E731
+    lines = [f"# {len(prompts)} Spec-Bench first turns against {a.server}", "",
+             f"max_new_tokens {a.max_new_tokens}, {sampling_text(res['config'])}, chat template, streamed; times "
+             "seen by the client (TTFT from sending; ITL: a request's (last piece - first piece) / (tokens - 1)).", "",
+             "| concurrency | completed | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | p99 (ms) | "
+             "latency p50 | p90 | p99 (ms) | acceptance |", "|---" * 14 + "|"]
+    lines += [f"| {r['concurrency']} | {r['completed']}/{r['requests']} | {r['requests_per_s']:.2f} | "
+              f"{r['output_tokens_per_s']:.1f} | {ms(r['ttft_s'])} | {ms(r['itl_s'])} | {ms(r['latency_s'])} | "
+              f"{_fmt(r['mean_acceptance_length'], '.2f')} |" for r in res["levels"]]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print(out / "results.md")
 
 
 def log(msg: str) -> None:
@@ -414,6 +452,9 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=_ints, help="also decode every question's first turn through the batched "
                    "engine, at most this many at once (a comma list: one measurement per level): throughput, TTFT "
                    "and inter-token latency")
+    p.add_argument("--server", help="with --concurrency: load a running `microspec serve` instead of a model "
+                   "here, at its gRPC address (host:port) or OpenAI endpoint (http://host:port/v1); --methods and the "
+                   "model options are then the server's")
     p.add_argument("--data", help="data directory (default: MICROSPEC_DATA or <repo>/../shared/data)")
     p.add_argument("--out", default="bench_out", help="directory for results.json, results.md and the plots")
     p.set_defaults(func=cmd_bench)

@@ -96,13 +96,26 @@ def stream_infer(url: str, inputs: list, model: str = MODEL_NAME,
         client.close()
 
 
+def is_openai(url: str) -> bool:
+    """An OpenAI endpoint's base URL (http://host:port/v1), not a gRPC address (host:port)."""
+    return url.startswith(("http://", "https://"))
+
+
 def stream(url: str, prompt: str | bytes, max_tokens: int = 256, stream: bool = True, chat: bool = False,
            end_id: int | None = None, stop_words: list[str] | None = None, model: str = MODEL_NAME,
            timeout: float = 600, sampling: dict | None = None) -> Generator[str, None, Completion]:
-    """Yields text pieces as they arrive (one, the whole text, when stream=False); returns the Completion."""
+    """Yields text pieces as they arrive (one, the whole text, when stream=False); returns the Completion.
+    url: the gRPC address (host:port), or the base URL of `serve --openai-port` (http://host:port/v1)."""
     t0 = time.perf_counter()
     ttft, last, pieces, stats = None, None, [], {}
-    for out in stream_infer(url, make_inputs(prompt, max_tokens, stream, chat, end_id, stop_words, sampling), model, timeout):
+    if is_openai(url):
+        if end_id is not None:
+            raise UserError("end_id is not part of the OpenAI API: use the gRPC address, or a stop word")
+        outputs = openai_infer(url, prompt, max_tokens, stream, chat, stop_words, sampling, model, timeout)
+    else:
+        outputs = stream_infer(url, make_inputs(prompt, max_tokens, stream, chat, end_id, stop_words, sampling),
+                               model, timeout)
+    for out in outputs:
         piece = out["text_output"][0].decode()
         if piece:
             last = time.perf_counter() - t0
@@ -113,6 +126,78 @@ def stream(url: str, prompt: str | bytes, max_tokens: int = 256, stream: bool = 
     if not stats:  # the model's last response always has them: an empty final one means the request was cut off
         raise RequestError("the stream ended before the request completed")
     return Completion("".join(pieces), stats, ttft, time.perf_counter() - t0, pieces, last)
+
+
+def openai_infer(base_url: str, prompt: str | bytes, max_tokens: int, stream: bool, chat: bool,
+                 stop_words: list[str] | None, sampling: dict | None, model: str,
+                 timeout: float) -> Generator[dict[str, np.ndarray], None, None]:
+    """One request to the OpenAI endpoint, its answer as the gRPC outputs stream_infer yields (text pieces, then the
+    statistics), so that both APIs are measured alike. Plain http.client, one connection per request (as the gRPC
+    client opens a channel per request): the endpoint's cost, not an SDK's."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    text = prompt.decode() if isinstance(prompt, bytes) else prompt
+    body = {"model": model, "max_tokens": max_tokens, "stream": stream, "temperature": 0.0}  # greedy unless asked
+    body |= {"seed" if k == "random_seed" else k: v for k, v in (sampling or {}).items()}
+    body |= {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+    if stop_words:
+        body["stop"] = stop_words
+    if stream:
+        body["stream_options"] = {"include_usage": True}  # the usage chunk: the request's token counts
+    u = urlsplit(base_url)
+    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
+                                                                                              timeout=timeout)
+    try:
+        conn.request("POST", f"{u.path.rstrip('/')}/{'chat/completions' if chat else 'completions'}",
+                     json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RequestError(_openai_message(r.read()))
+        if not stream:
+            obj = json.loads(r.read())
+            c = obj["choices"][0]
+            yield _outputs(c["message"]["content"] if chat else c["text"], obj["usage"], obj["microspec"])
+            return
+        usage = spec = None
+        for line in r:
+            if not line.startswith(b"data: "):
+                continue
+            if line.strip() == b"data: [DONE]":
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RequestError(event["error"]["message"])
+            if event["choices"]:
+                c = event["choices"][0]
+                spec = event.get("microspec", spec)  # on the finish chunk
+                yield _outputs((c.get("delta") or {}).get("content") if chat else c.get("text"))
+            usage = event.get("usage") or usage  # the last chunk (stream_options.include_usage)
+        if usage is None or spec is None:
+            raise RequestError("the stream ended before the request completed")
+        yield _outputs("", usage, spec)
+    except (OSError, http.client.HTTPException) as e:
+        raise RequestError(f"{base_url}: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+
+
+def _openai_message(body: bytes) -> str:
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:200]
+
+
+def _outputs(text: str | None, usage: dict | None = None, spec: dict | None = None) -> dict[str, np.ndarray]:
+    """An OpenAI answer as the Triton model's outputs: text_output, and the STAT_OUTPUTS with the usage."""
+    out = {"text_output": np.array([(text or "").encode()], dtype=np.object_)}
+    if usage is not None:
+        out |= {"num_input_tokens": np.array([usage["prompt_tokens"]]),
+                "num_output_tokens": np.array([usage["completion_tokens"]]),
+                "acceptance_length": np.array([spec["acceptance_length"]]),
+                "mean_active_vocab": np.array([spec["mean_active_vocab"]])}
+    return out
 
 
 def generate(url: str, prompt: str | bytes, max_tokens: int = 256, **kw) -> Completion:
@@ -197,7 +282,8 @@ def register(sub) -> None:
     from ..cli import add_sampling_args
 
     p = sub.add_parser("client", help="stream a request from `microspec serve`, or measure it under load")
-    p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC address")
+    p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC address (host:port), or the base URL "
+                   "of its OpenAI endpoint (http://host:PORT/v1, serve --openai-port): both run the same requests")
     p.add_argument("--model", default=MODEL_NAME)
     p.add_argument("--prompt", action="append", required=True, help="repeat for several (load mode takes turns)")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -10,6 +10,7 @@ stub gets a numpy<2 of its own, first on its PYTHONPATH (the "stub site"; torch 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -289,6 +290,15 @@ class Followers:
                 p.wait()
 
 
+def openai_front(host: str, port: int | None):
+    """serve --openai-port: the OpenAI endpoint (serving/openai_api.py), bound now; without it, nothing."""
+    if port is None:
+        return contextlib.nullcontext()
+    from .openai_api import OpenAIFront
+
+    return OpenAIFront(host, port)
+
+
 def cmd_serve(a: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM unwinds like Ctrl-C: the server is stopped
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background of a script
@@ -323,19 +333,25 @@ def cmd_serve(a: argparse.Namespace) -> None:
             repo = write_repository(Path(tmp), params, kind, gpus=gpus)
         elif not (repo / MODEL_NAME / "config.pbtxt").exists():
             raise UserError(f"{repo} has no {MODEL_NAME}/config.pbtxt")
+        # the OpenAI front binds its port now (a busy one fails before the model loads) and stops last, after the
+        # server has ended its requests with an error it forwards
+        front = openai_front(a.host, a.openai_port)
         # the followers outlive the server: it stops first, and its model tells them to exit
-        with Followers(a, port, Path(tmp) / "tp-followers.log") as followers, \
+        with front, Followers(a, port, Path(tmp) / "tp-followers.log") as followers, \
                 TritonServer(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, a.exit_timeout, a.log_file,
                              a.stub_site) as server:
             print(f"starting tritonserver on {repo} (log: {server.log_file})", file=sys.stderr)
             t0 = time.monotonic()
             server.wait_ready(timeout=a.ready_timeout)
+            openai = ""
+            if a.openai_port is not None:
+                openai = f"  OpenAI   {front.start(server.grpc_url).url}  (models, completions, chat/completions)\n"
             print(f"{MODEL_NAME} ready in {time.monotonic() - t0:.1f} s\n"
                   f"  gRPC     {server.grpc_url}  (streaming: microspec client --url {server.grpc_url})\n"
                   f"  HTTP     POST http://{a.host}:{a.http_port}/v2/models/{MODEL_NAME}/generate (JSON) and "
                   f".../generate_stream (server-sent events)\n"
                   f"  metrics  http://{a.host}:{a.metrics_port}/metrics\n"
-                  "Ctrl-C to stop.", flush=True)
+                  f"{openai}Ctrl-C to stop.", flush=True)
             try:
                 while (rc := server.proc.poll()) is None:
                     followers.check()
@@ -366,6 +382,10 @@ def register(sub) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    o = p.add_argument_group("openai", "an OpenAI-compatible endpoint beside Triton's, forwarding to the same model "
+                             "(the same running batch, queue and metrics): serving/openai_api.py")
+    o.add_argument("--openai-port", type=int, help="serve GET /v1/models, POST /v1/completions and "
+                   "/v1/chat/completions (streamed or not) on this port, on --host; default: off")
     p.add_argument("--exit-timeout", type=int, default=5, help="seconds in-flight requests get at shutdown")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for the model to load")
     p.add_argument("--log-file", help="tritonserver's log (default: a temporary file, removed at exit)")

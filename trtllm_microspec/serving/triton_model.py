@@ -326,10 +326,15 @@ class TritonPythonModel:
         if text.endswith("\ufffd") and not (final or end):
             return False  # an incomplete UTF-8 sequence: wait for the tokens that complete it
         cut = min((i for i in (text.find(w) for w in job.stop_words) if i >= 0), default=len(text))
-        piece, job.text = text[len(job.text):cut], text[:cut]
+        over = final or end or cut < len(text)
+        # streamed: a tail that may begin a stop word waits for the next tokens (else a stop word split over two
+        # pieces would be half sent)
+        hold = 0 if over else max((k for w in job.stop_words for k in range(1, len(w)) if text.endswith(w[:k])),
+                                  default=0)
+        piece, job.text = text[len(job.text):cut - hold], text[:cut - hold]
         if job.stream and piece:
             _send(job.sender, _response(piece))
-        return final or end or cut < len(text)
+        return over
 
     def _end(self, job: Job, response) -> None:
         """A request's final response. The engine lets it go: a batched request's blocks go back at the next
