@@ -17,7 +17,7 @@ flushed before each replay (in a real round the target model evicts everything i
                                        stream, and naive (the paper's "x Async": update + an indexed GEMM over
                                        head[id_of] each call, no packing)
 Bandwidth = the bytes a kernel must move (weights read; a gather reads and writes each row) / its time, against
-the 4.2 TB/s measured copy bandwidth (shared/GPU.md). "launch" is the replay of one empty kernel.
+the 4.2 TB/s that a large device-to-device copy reaches on the H200 (bytes read + written). "launch" is the replay of one empty kernel.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from ..models.model import ModelConfig, Span
 from ..models.registry import UserError
 from ..spec.tree import causal
 
-COPY_BW = 4.2e12  # bytes/s, read + written, measured on the H200 (shared/GPU.md)
+COPY_BW = 4.2e12  # bytes/s, read + written, a large device-to-device copy on the H200
 DEVICE = "cuda"
 CONTEXT = 1024  # committed positions the draft layer attends to
 STATIC_K = 32768

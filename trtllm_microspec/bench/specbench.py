@@ -34,8 +34,13 @@ MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", 
 WARMUP_TOKENS = 64  # warm-up only has to touch every kernel and allocation once, not generate a full answer
 
 
+# Spec-Bench's question.jsonl (Apache-2.0) and HumanEval (MIT) ship inside the package, with their licences
+PACKAGED_DATA = Path(__file__).resolve().parents[1] / "evaldata"
+
+
 def data_dir(arg: str | None) -> Path:
-    d = Path(arg or os.environ.get("MICROSPEC_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")
+    """--data, else $MICROSPEC_DATA, else the packaged copy; a directory with spec_bench/ (and humaneval/)."""
+    d = Path(arg or os.environ.get("MICROSPEC_DATA") or PACKAGED_DATA)
     if not (d / "spec_bench" / "question.jsonl").exists():
         raise UserError(f"no Spec-Bench data at {d}/spec_bench/question.jsonl: pass --data DIR or set MICROSPEC_DATA")
     return d
@@ -411,6 +416,7 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=_ints, help="also decode every question's first turn through the batched "
                    "engine, at most this many at once (a comma list: one measurement per level): throughput, TTFT "
                    "and inter-token latency")
-    p.add_argument("--data", help="data directory (default: MICROSPEC_DATA or <repo>/../shared/data)")
+    p.add_argument("--data", help="data directory with spec_bench/question.jsonl and humaneval/HumanEval.jsonl.gz "
+                   "(default: $MICROSPEC_DATA, else the copy inside the package)")
     p.add_argument("--out", default="bench_out", help="directory for results.json, results.md and the plots")
     p.set_defaults(func=cmd_bench)
