@@ -153,21 +153,21 @@ def test_build_scripts_are_the_cli(script, argv, tmp_path):
 # Every numeric knob of add_llm_args and add_batch_args, out of range: (flag, value, what the one-line error must say). The checks run
 # before any weights load, in generate as in serve (where they run before tritonserver starts).
 BAD_KNOBS = [
-    ("--w-max", 0, "w_max must be between 10 and 49152"),
-    ("--w-max", -3, "w_max must be between 10 and 49152"),
-    ("--w-max", 9, "the window holds at least the tree's top_k ids"),
-    ("--w-max", 49153, "w_max must be between 10 and 49152"),
+    ("--w-max", 0, "w_max must be between 4 and 49152"),
+    ("--w-max", -3, "w_max must be between 4 and 49152"),
+    ("--w-max", 3, "the window holds at least the tree's top_k ids"),
+    ("--w-max", 49153, "w_max must be between 4 and 49152"),
     ("--k-pre", -1, "k_pre must be between 0 and 49152 (0: the window starts from the prompt's own tokens"),
     ("--k-pre", 49153, "k_pre must be between 0 and 49152"),
     ("--k-ver", -1, "k_ver must be between 0 and 49152 (0: rounds add only the draft tree's tokens"),
-    ("--static-k", 0, "static_k must be between 10 and 49152"),
+    ("--static-k", 0, "static_k must be between 4 and 49152"),
     ("--depth", 0, "depth must be at least 1, got 0"),
     ("--depth", -2, "depth must be at least 1, got -2"),
     ("--tree-top-k", 0, "the tree's top_k must be between 1 and 49152"),
     ("--tree-top-k", 49153, "the tree's top_k must be between 1 and 49152"),
-    ("--total-tokens", 0, "total_tokens must be between 2 and 511 (the root plus up to 510 draft tokens"),
-    ("--total-tokens", 1, "total_tokens must be between 2 and 511"),
-    ("--total-tokens", 512, "total_tokens must be between 2 and 511"),
+    ("--total-tokens", 0, "total_tokens must be between 2 and 53 (the root plus up to 52 draft tokens"),
+    ("--total-tokens", 1, "total_tokens must be between 2 and 53"),
+    ("--total-tokens", 54, "total_tokens must be between 2 and 53"),
     ("--max-seq-len", 0, "max_seq_len must be at least 1, got 0"),
     ("--max-seq-len", -5, "max_seq_len must be at least 1, got -5"),
     ("--tp", 0, "tp must be at least 1, got 0"),
@@ -210,9 +210,26 @@ def test_bad_knob_is_one_line_error(capsys, engine, random_draft_dir, command, f
 
 
 def test_tree_too_big_for_max_seq_len(capsys, engine, random_draft_dir):
-    # each round reserves 60 cache slots for the default tree: 40 leaves no room for a prompt
+    # each round reserves 60 cache slots for the GPU's tree: 40 leaves no room for a prompt
     assert_user_error(run(capsys, *gen(engine, "--prompt", "hi", "--method", "microspec", "--draft", random_draft_dir,
-                                       "--max-seq-len", 40)), "max_seq_len 40 leaves no room", "60 cache slots")
+                                       "--depth", 5, "--tree-top-k", 10, "--total-tokens", 60, "--max-seq-len", 40)),
+                      "max_seq_len 40 leaves no room", "60 cache slots")
+
+
+def test_tree_fits_the_device(capsys, engine, random_draft_dir):
+    """Tree knobs left unset take the device's tree (a 60-token verify costs a CPU several decode steps); each one
+    given wins; LLM(...) and the commands decide in the same function."""
+    from trtllm_microspec import LLM
+    from trtllm_microspec.spec.tree import CPU_TREE, TreeConfig, tree_for
+
+    assert tree_for("cpu") == CPU_TREE == TreeConfig(depth=3, top_k=4, total_tokens=12)
+    assert tree_for("cuda") == TreeConfig(depth=5, top_k=10, total_tokens=60)
+    assert tree_for("cpu", depth=5) == TreeConfig(5, 4, 12) and tree_for("cuda:1", total_tokens=30) == TreeConfig(5, 10, 30)
+    assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu").executor.tree == CPU_TREE
+    assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu", depth=2, top_k=3,
+               total_tokens=8).executor.tree == TreeConfig(2, 3, 8)
+    code, out, _ = run(capsys, "generate", "--help")
+    assert code == 0 and "default: 12 on a CPU, 60 on a GPU" in " ".join(out.split())
 
 
 def test_bad_device(capsys, engine):

@@ -39,12 +39,15 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    "position join the window each round (0: only the draft tree's tokens)")
     p.add_argument("--static-k", type=int, default=32768, help="frspec: the draft may propose the K most frequent "
                    "ids (from --tree-top-k to the vocabulary size)")
-    p.add_argument("--depth", type=int, default=5, help="draft tree depth: levels the draft grows after its first "
-                   "guess, i.e. depth+1 draft calls per round (at least 1)")
-    p.add_argument("--tree-top-k", dest="top_k", metavar="TREE_TOP_K", type=int, default=10, help="draft tree "
-                   "width: guesses kept per node and nodes grown per level (at least 1; LLM's top_k)")
-    p.add_argument("--total-tokens", type=int, default=60, help="draft tree size, the root included: tokens the "
-                   "target checks in one pass per round (2 to 1 + top_k + depth*top_k^2)")
+    # the tree's knobs default to the device's tree (spec.tree.tree_for): a 60-token tree costs a CPU several
+    # decode steps per verify
+    p.add_argument("--depth", type=int, help="draft tree depth: levels the draft grows after its first guess, i.e. "
+                   "depth+1 draft calls per round (at least 1; default: 3 on a CPU, 5 on a GPU)")
+    p.add_argument("--tree-top-k", dest="top_k", metavar="TREE_TOP_K", type=int, help="draft tree width: guesses "
+                   "kept per node and nodes grown per level (at least 1; LLM's top_k; default: 4 on a CPU, 10 on a "
+                   "GPU)")
+    p.add_argument("--total-tokens", type=int, help="draft tree size, the root included: tokens the target checks "
+                   "in one pass per round (2 to 1 + top_k + depth*top_k^2; default: 12 on a CPU, 60 on a GPU)")
     p.add_argument("--max-seq-len", type=int, help="most tokens, prompt and output together, one request may hold "
                    "(the KV cache length; default and upper bound: the engine's)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, ablation)")
@@ -90,6 +93,18 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
                total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
                tp=a.tp, tp_timeout=a.tp_timeout, max_batch=getattr(a, "max_batch", 16),
                kv_memory=getattr(a, "kv_memory", None))
+
+
+def resolve_tree(a: argparse.Namespace, device: str | None = None):
+    """--depth / --tree-top-k / --total-tokens left unset take the tree of the device the command runs on
+    (spec.tree.tree_for, which LLM(...) uses too); returns that device."""
+    from .engine.loader import pick_device
+    from .spec.tree import tree_for
+
+    dev = pick_device(device or a.device)[0]
+    t = tree_for(dev, a.depth, a.top_k, a.total_tokens)
+    a.depth, a.top_k, a.total_tokens = t.depth, t.top_k, t.total_tokens
+    return dev
 
 
 def cmd_models(a) -> None:
@@ -170,25 +185,11 @@ def cmd_generate(a) -> None:
     print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s, {s['tokens_per_s']:.1f} tok/s{extra}]", file=sys.stderr)
 
 
-# measured on the 2-core CPU (BENCHMARKS.md 0.6): a 12-token tree breaks even with AR there, the GPU's 60-token
-# tree runs at 0.6x AR, since one verify costs several decode steps on a CPU
-CPU_TREE = {"depth": 3, "top_k": 4, "total_tokens": 12}
-
-
 def cmd_quickstart(a) -> None:
-    """The main job: fetch and build the default model, then AR and MicroSpec on one chat prompt. The tree knobs
-    left unset take the CPU's small tree on a CPU and the default tree elsewhere."""
-    import torch
-
-    from .spec.tree import TreeConfig
-
-    on_cpu = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
-    tree = CPU_TREE if on_cpu else dataclasses.asdict(TreeConfig())
-    for knob, value in tree.items():
-        if getattr(a, knob) is None:
-            setattr(a, knob, value)
-    print(f"== tree: depth {a.depth}, tree-top-k {a.top_k}, {a.total_tokens} tokens"
-          + (" (the CPU's default)" if on_cpu else ""))
+    """The main job: fetch and build the default model, then AR and MicroSpec on one chat prompt."""
+    dev = resolve_tree(a)
+    print(f"== tree: depth {a.depth}, tree-top-k {a.top_k}, {a.total_tokens} tokens (unset knobs: the "
+          f"{dev.type.upper()}'s tree)")
     prompt = a.prompt
     results = {}
     for method in ("ar", "microspec"):
@@ -264,7 +265,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quickstart", help="fetch + build the default model, run AR and MicroSpec, compare")
     add_llm_args(q)
-    q.set_defaults(depth=None, top_k=None, total_tokens=None)  # resolved per device in cmd_quickstart
     q.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.set_defaults(func=cmd_quickstart)

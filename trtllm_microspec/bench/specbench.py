@@ -313,6 +313,9 @@ def cmd_bench(a) -> None:
                             f"{', '.join(unbatched)}")
         if a.tp > 1:
             raise UserError("--concurrency runs the batched engine, on one device (no --tp)")
+    from ..cli import resolve_tree
+
+    resolve_tree(a)  # recorded in the results: the device's tree unless given
     questions = load_questions(data_dir(a.data), a.categories, a.limit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
