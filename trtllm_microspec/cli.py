@@ -189,7 +189,7 @@ def cmd_quickstart(a) -> None:
     """The main job: fetch and build the default model, then AR and MicroSpec on one chat prompt."""
     dev = resolve_tree(a)
     print(f"== tree: depth {a.depth}, tree-top-k {a.top_k}, {a.total_tokens} tokens (unset knobs: the "
-          f"{dev.type.upper()}'s tree)")
+          f"{'CPU' if dev.type == 'cpu' else 'GPU'}'s tree)")
     prompt = a.prompt
     results = {}
     for method in ("ar", "microspec"):
