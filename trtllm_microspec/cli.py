@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib
 import json
@@ -142,6 +143,10 @@ def cmd_build_draft(a) -> None:
     print(build_draft(a.checkpoint, resolve_engine(a.engine), a.out))
 
 
+JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", type(None): "null", list: "an array",
+              dict: "an object"}
+
+
 def read_prompts(path: str) -> list[str]:
     try:
         text = Path(path).read_text()
@@ -151,8 +156,12 @@ def read_prompts(path: str) -> list[str]:
         prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln]
     except ValueError as e:
         raise UserError(f"{path} is not a JSON list of prompts: {e}") from None
-    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+    if not prompts:
         raise UserError(f"{path} holds no prompts (one per line, or a JSON list of strings)")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            what = "an empty string" if p == "" else f"{JSON_TYPES[type(p)]} {json.dumps(p)[:40]}"
+            raise UserError(f"{path}: prompt {i} (counting from 0) is {what}, not a non-empty string")
     return prompts
 
 
@@ -209,8 +218,9 @@ def cmd_quickstart(a) -> None:
 
 
 DESCRIPTION = """\
-Greedy text generation with EAGLE-2 speculative decoding and MicroSpec's tiny dynamic draft vocabulary: the
-output is exactly the model's own greedy output, produced in fewer target passes.
+LLM inference with EAGLE-2 speculative decoding and MicroSpec's tiny dynamic draft vocabulary: greedy output is
+exactly the model's own greedy output, sampled output follows the model's own distribution, and both take fewer
+target passes.
 
 start here:   microspec quickstart          (fetch SmolLM2-135M, build it, compare AR and MicroSpec)
 generate:     microspec generate --prompt "Why is the sky blue?" --chat --method microspec
@@ -218,15 +228,33 @@ serve:        microspec serve               (Triton Inference Server: gRPC strea
 `microspec COMMAND --help` explains each command; bad input ends with one line `microspec: error: ...`, exit 2."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless it names it already; options whose default is unset
+    (None) or off (a flag) say nothing. Descriptions keep their own line breaks."""
+
+    def _format_action(self, action):
+        d, text = action.default, action.help or ""
+        if (action.option_strings and not (d is None or d is False or d is argparse.SUPPRESS)
+                and action.help is not argparse.SUPPRESS and "default" not in text):
+            shown = ((",".join(map(str, d)) or "none") if isinstance(d, list) else str(d)).replace("%", "%%")
+            action = copy.copy(action)  # read at --help time: set_defaults may have changed the default
+            action.help = f"{text} (default: {shown})" if text else f"default: {shown}"
+        return super()._format_action(action)
+
+
 class Parser(argparse.ArgumentParser):
-    """Bad arguments get one line, like every other error of the command (argparse prints its usage too)."""
+    """Bad arguments get one line, like every other error of the command (argparse prints its usage too).
+    Sub-commands' parsers are Parsers too, so every --help shows the defaults (HelpFormatter)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"microspec: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="microspec", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="microspec", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("models", help="list or fetch the real models")

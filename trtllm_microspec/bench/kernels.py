@@ -306,7 +306,7 @@ def run(a) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("bench-kernels", help="time MicroSpec's kernels and draft steps on the GPU",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     p.add_argument("--out", help="write the markdown table to this file and JSON beside it (.json)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, default=[1, 10, 60], help="hidden-state rows per head call")

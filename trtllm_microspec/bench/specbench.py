@@ -184,7 +184,7 @@ def summarize(records: list[dict]) -> dict:
         "new_tokens": sum(r["new_tokens"] for r in records),
         "speed": sum(speeds) / len(speeds),
         "acceptance_length": emitted / rounds if rounds else None,
-        "draft_share": sum(r.get("draft_s", 0.0) for r in records) / sum(r["time_s"] for r in records),
+        "draft_share": sum(r.get("draft_s") or 0.0 for r in records) / sum(r["time_s"] for r in records),
         "vocab_mean": sum(r["vocab_mean"] * r["rounds"] for r in records if r.get("rounds")) / rounds if rounds else None,
         "coverage": sum(c * n for c, n in covered) / max(1, sum(n for _, n in covered)) if covered else None,
     }
@@ -403,7 +403,7 @@ def register(sub) -> None:
     from ..cli import add_llm_args, add_sampling_args
 
     p = sub.add_parser("bench", help="Spec-Bench + HumanEval: speed, speedup, acceptance, vocabulary per method",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     add_llm_args(p)  # --method is not used here: --methods lists what to run
     add_sampling_args(p)
     p.add_argument("--methods", type=_names, default=["ar", "eagle", "frspec", "microspec"],

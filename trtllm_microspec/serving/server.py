@@ -290,9 +290,25 @@ class Followers:
                 p.wait()
 
 
+def _shutting_down(signum, _frame) -> None:
+    """SIGTERM and Ctrl-C unwind alike: the server and its stubs are stopped on the way out (the `with` blocks);
+    a second signal does not cut that short (the stop has its own timeouts)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"microspec serve: {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
+    raise KeyboardInterrupt
+
+
 def cmd_serve(a: argparse.Namespace) -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM unwinds like Ctrl-C: the server is stopped
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background of a script
+    signal.signal(signal.SIGTERM, _shutting_down)
+    signal.signal(signal.SIGINT, _shutting_down)  # also when started in the background of a script
+    try:
+        _serve(a)
+    except KeyboardInterrupt:
+        print("microspec serve: stopped", file=sys.stderr, flush=True)
+
+
+def _serve(a: argparse.Namespace) -> None:
     pytriton_dir()  # fail early and clearly without the serve extra
     stub_site(a.stub_site)
     with tempfile.TemporaryDirectory(prefix="microspec-repo-") as tmp:
@@ -339,13 +355,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
                   f".../generate_stream (server-sent events)\n"
                   f"  metrics  http://{a.host}:{a.metrics_port}/metrics\n"
                   "Ctrl-C to stop.", flush=True)
-            try:
-                while (rc := server.proc.poll()) is None:
-                    followers.check()
-                    time.sleep(0.5)
-            except KeyboardInterrupt:
-                print("stopping tritonserver", file=sys.stderr)
-                return
+            while (rc := server.proc.poll()) is None:
+                followers.check()
+                time.sleep(0.5)
             raise UserError(f"tritonserver exited with code {rc}: {server.log_errors()}")
 
 
