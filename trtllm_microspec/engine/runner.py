@@ -53,7 +53,7 @@ class BatchRunner:
         per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
         # table columns: S buckets reach up to max_seq_len, a padded prefill chunk up to PREFILL_BUDGET past it
         width = -(-(c.max_seq_len + PREFILL_BUDGET) // KV_BLOCK)
-        self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), c.max_seq_len // KV_BLOCK)
+        self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), -(-c.max_seq_len // KV_BLOCK))
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
         # one table row per batch slot, plus the padding slot (all block 0)
         self.table = torch.zeros(max_batch + 1, width, dtype=torch.long, device=dev)
@@ -72,7 +72,8 @@ class BatchRunner:
         check_request(prompt, max_new_tokens, self.target.cfg.max_seq_len, self.target.cfg.vocab_size, self.reserve)
 
     def slots_for(self, prompt: list[int], max_new_tokens: int) -> int:
-        return len(prompt) + max_new_tokens + self.reserve
+        """A request stops at max_seq_len whatever its budget (Scheduler: "length"), as on the single path."""
+        return min(len(prompt) + max_new_tokens + self.reserve, self.target.cfg.max_seq_len)
 
     def join(self, req, blocks: list[int]) -> None:
         req.slot = heapq.heappop(self.free_slots)

@@ -163,6 +163,8 @@ class Scheduler:
             req.emits.append((time.perf_counter(), len(toks)))
         if stop is not None or len(req.out) >= req.max_new_tokens:
             self._finish(req, "eos" if stop is not None else "max_tokens")
+        elif req.n + self.runner.reserve >= self.runner.target.cfg.max_seq_len:  # no room for another step: the
+            self._finish(req, "length")  # single-request executor's rule, so the same tokens
         return toks
 
     def run(self, requests: list[Request]) -> None:
