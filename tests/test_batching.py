@@ -153,7 +153,7 @@ def test_cli_prompts_file(engine_dir, alone, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--engine", str(engine_dir), "--device", "cpu", "--prompts-file", str(f)])
     assert e.value.code == 2
-    assert "holds no prompts" in capsys.readouterr().err
+    assert "prompt 0 (counting from 0) is a number 1, not a non-empty string" in capsys.readouterr().err
 
 
 SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
