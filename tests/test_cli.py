@@ -224,7 +224,8 @@ def test_tree_fits_the_device(capsys, engine, random_draft_dir):
 
     assert tree_for("cpu") == CPU_TREE == TreeConfig(depth=3, top_k=4, total_tokens=12)
     assert tree_for("cuda") == TreeConfig(depth=5, top_k=10, total_tokens=60)
-    assert tree_for("cpu", depth=5) == TreeConfig(5, 4, 12) and tree_for("cuda:1", total_tokens=30) == TreeConfig(5, 10, 30)
+    assert tree_for("cpu", depth=5) == TreeConfig(5, 4, 12)
+    assert tree_for("cuda:1", total_tokens=30) == TreeConfig(5, 10, 30)
     assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu").executor.tree == CPU_TREE
     assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu", depth=2, top_k=3,
                total_tokens=8).executor.tree == TreeConfig(2, 3, 8)
@@ -436,8 +437,9 @@ def test_prompts_file_requests_have_their_phase_times(capsys, engine, random_dra
     """The batched engine times the steps each request took part in: prefill and decode; a batched round runs its
     phases as one launch, so they are not split (None), where the single-request path splits them."""
     for method in ("ar", "microspec"):
-        code, out, err = run(capsys, *gen(engine, "--prompts-file", write(tmp_path / "p.txt", "Hi\nWhy is the sky blue?\n"),
-                                          "--max-new-tokens", 6, "--json", "--method", method, "--draft", random_draft_dir))
+        prompts = write(tmp_path / "p.txt", "Hi\nWhy is the sky blue?\n")
+        code, out, err = run(capsys, *gen(engine, "--prompts-file", prompts, "--max-new-tokens", 6, "--json",
+                                          "--method", method, "--draft", random_draft_dir))
         assert code == 0, err
         results = [json.loads(line) for line in out.strip().splitlines()]
         assert len(results) == 2 and results[0]["num_new_tokens"] == 6

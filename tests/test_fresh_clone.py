@@ -72,3 +72,24 @@ def test_train_draft_eval_finds_the_packaged_data(lone_clone, engine_dir):
               "'--batch-tokens', '64', '--device', 'cpu', '--save-every', '0', '--eval', '--eval-tokens', '4'])")
     r = json.loads(out.strip().splitlines()[-1])
     assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())
+
+
+def test_readme_serving_install_is_ci_s():
+    """The README's serving install is one line, and CI runs exactly that line."""
+    readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci" / "run").read_text()
+    lines = [ln for ln in readme.splitlines() if ln.startswith("pip install -e '.[serve]'")]
+    assert len(lines) == 1 and "nvidia-pytriton" in lines[0] and "triton-stub-site" in lines[0]
+    assert lines[0] in ci.splitlines()
+
+
+def test_no_file_refers_outside_the_repository():
+    """No code, test, script or document reads a folder beside the checkout (a sibling data folder or the like)."""
+    # joined here, or this file would match itself
+    words = ["/".join(w) for w in (("..", "shared"), ("shared", "data"), ("shared", "GPU.md"))]
+    bad = []
+    for f in REPO.rglob("*"):
+        if (f.suffix in (".py", ".sh", ".md", ".toml", ".pbtxt", ".txt") or f.name == "run") and f.is_file() and \
+                not {".venv", ".cache", ".git", "node_modules"} & set(f.relative_to(REPO).parts):
+            text = f.read_text(errors="ignore")
+            bad += [f"{f.relative_to(REPO)}: {w}" for w in words if w in text]
+    assert not bad, bad
