@@ -17,7 +17,8 @@ flushed before each replay (in a real round the target model evicts everything i
                                        stream, and naive (the paper's "x Async": update + an indexed GEMM over
                                        head[id_of] each call, no packing)
 Bandwidth = the bytes a kernel must move (weights read; a gather reads and writes each row) / its time, against
-the 4.2 TB/s that a large device-to-device copy reaches on the H200 (bytes read + written). "launch" is the replay of one empty kernel.
+the 4.2 TB/s that a large device-to-device copy reaches on the H200 (bytes read + written). "launch" is the replay
+of one empty kernel.
 """
 from __future__ import annotations
 
