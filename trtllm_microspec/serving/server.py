@@ -292,9 +292,7 @@ class Followers:
 
 def _shutting_down(signum, _frame) -> None:
     """SIGTERM and Ctrl-C unwind alike: the server and its stubs are stopped on the way out (the `with` blocks);
-    a second signal does not cut that short (the stop has its own timeouts)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    a second one during that stop forces it (TritonServer.stop)."""
     print(f"microspec serve: {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
     raise KeyboardInterrupt
 
