@@ -1,5 +1,5 @@
 """Counts the top-level, non-view aten ops of one decode step of an engine (torch.profiler, on the CPU), i.e. roughly
-the kernels one CUDA decode step launches. The record behind BENCHMARKS.md section 4:
+the kernels one CUDA decode step launches. The record behind docs/kernels.md's ~53 kernels a layer:
     python benchmarks/cpu_decode_opcount.py ENGINE_DIR > benchmarks/cpu_decode_opcount_qwen1.5b.txt"""
 import collections
 import sys

@@ -121,10 +121,23 @@ def test_error_and_refusals_return_blocks(ar, monkeypatch):
     assert sched.blocks.used == 0 and len(sched.runner.free_slots) == 3
     with pytest.raises(UserError, match="the prompt is empty"):
         sched.add([], 4)
-    with pytest.raises(UserError, match="needs .* cache slots"):
-        sched.add([1, 2, 3], ar.max_seq_len)
     with pytest.raises(UserError, match="runs one request at a time"):
         LLM(ar.engine_dir, "naive", device="cpu").scheduler()
+
+
+@pytest.mark.parametrize("method", ["ar", "microspec"])
+def test_budget_past_max_seq_len_stops_at_length(engine_dir, random_draft_dir, method):
+    """A budget larger than the room left runs, and stops where the single-request path stops (no room for one
+    more step: "length"), with the same tokens; only the prompt has a limit (the same on both paths)."""
+    llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_seq_len=64, max_batch=2)
+    prompt = "The sea is blue and wide, and the ships sail on it"
+    alone = llm.generate(prompt, 100)
+    batched = llm.generate([prompt, "Hi"], [100, 4])
+    assert alone.stats["stop_reason"] == batched[0].stats["stop_reason"] == "length"
+    assert batched[0].token_ids == alone.token_ids and batched[1].stats["stop_reason"] == "max_tokens"
+    assert llm.scheduler().blocks.used == 0
+    with pytest.raises(UserError, match=r"the prompt has \d+ tokens; this engine accepts at most"):
+        llm.generate(["Hi", "hello " * 80], 4)
 
 
 def test_cli_prompts_file(engine_dir, alone, tmp_path, capsys):
@@ -140,7 +153,7 @@ def test_cli_prompts_file(engine_dir, alone, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--engine", str(engine_dir), "--device", "cpu", "--prompts-file", str(f)])
     assert e.value.code == 2
-    assert "holds no prompts" in capsys.readouterr().err
+    assert "prompt 0 (counting from 0) is a number 1, not a non-empty string" in capsys.readouterr().err
 
 
 SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)

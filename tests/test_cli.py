@@ -153,21 +153,21 @@ def test_build_scripts_are_the_cli(script, argv, tmp_path):
 # Every numeric knob of add_llm_args and add_batch_args, out of range: (flag, value, what the one-line error must say). The checks run
 # before any weights load, in generate as in serve (where they run before tritonserver starts).
 BAD_KNOBS = [
-    ("--w-max", 0, "w_max must be between 10 and 49152"),
-    ("--w-max", -3, "w_max must be between 10 and 49152"),
-    ("--w-max", 9, "the window holds at least the tree's top_k ids"),
-    ("--w-max", 49153, "w_max must be between 10 and 49152"),
+    ("--w-max", 0, "w_max must be between 4 and 49152"),
+    ("--w-max", -3, "w_max must be between 4 and 49152"),
+    ("--w-max", 3, "the window holds at least the tree's top_k ids"),
+    ("--w-max", 49153, "w_max must be between 4 and 49152"),
     ("--k-pre", -1, "k_pre must be between 0 and 49152 (0: the window starts from the prompt's own tokens"),
     ("--k-pre", 49153, "k_pre must be between 0 and 49152"),
     ("--k-ver", -1, "k_ver must be between 0 and 49152 (0: rounds add only the draft tree's tokens"),
-    ("--static-k", 0, "static_k must be between 10 and 49152"),
+    ("--static-k", 0, "static_k must be between 4 and 49152"),
     ("--depth", 0, "depth must be at least 1, got 0"),
     ("--depth", -2, "depth must be at least 1, got -2"),
     ("--tree-top-k", 0, "the tree's top_k must be between 1 and 49152"),
     ("--tree-top-k", 49153, "the tree's top_k must be between 1 and 49152"),
-    ("--total-tokens", 0, "total_tokens must be between 2 and 511 (the root plus up to 510 draft tokens"),
-    ("--total-tokens", 1, "total_tokens must be between 2 and 511"),
-    ("--total-tokens", 512, "total_tokens must be between 2 and 511"),
+    ("--total-tokens", 0, "total_tokens must be between 2 and 53 (the root plus up to 52 draft tokens"),
+    ("--total-tokens", 1, "total_tokens must be between 2 and 53"),
+    ("--total-tokens", 54, "total_tokens must be between 2 and 53"),
     ("--max-seq-len", 0, "max_seq_len must be at least 1, got 0"),
     ("--max-seq-len", -5, "max_seq_len must be at least 1, got -5"),
     ("--tp", 0, "tp must be at least 1, got 0"),
@@ -210,9 +210,27 @@ def test_bad_knob_is_one_line_error(capsys, engine, random_draft_dir, command, f
 
 
 def test_tree_too_big_for_max_seq_len(capsys, engine, random_draft_dir):
-    # each round reserves 60 cache slots for the default tree: 40 leaves no room for a prompt
+    # each round reserves 60 cache slots for the GPU's tree: 40 leaves no room for a prompt
     assert_user_error(run(capsys, *gen(engine, "--prompt", "hi", "--method", "microspec", "--draft", random_draft_dir,
-                                       "--max-seq-len", 40)), "max_seq_len 40 leaves no room", "60 cache slots")
+                                       "--depth", 5, "--tree-top-k", 10, "--total-tokens", 60, "--max-seq-len", 40)),
+                      "max_seq_len 40 leaves no room", "60 cache slots")
+
+
+def test_tree_fits_the_device(capsys, engine, random_draft_dir):
+    """Tree knobs left unset take the device's tree (a 60-token verify costs a CPU several decode steps); each one
+    given wins; LLM(...) and the commands decide in the same function."""
+    from trtllm_microspec import LLM
+    from trtllm_microspec.spec.tree import CPU_TREE, TreeConfig, tree_for
+
+    assert tree_for("cpu") == CPU_TREE == TreeConfig(depth=3, top_k=4, total_tokens=12)
+    assert tree_for("cuda") == TreeConfig(depth=5, top_k=10, total_tokens=60)
+    assert tree_for("cpu", depth=5) == TreeConfig(5, 4, 12)
+    assert tree_for("cuda:1", total_tokens=30) == TreeConfig(5, 10, 30)
+    assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu").executor.tree == CPU_TREE
+    assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu", depth=2, top_k=3,
+               total_tokens=8).executor.tree == TreeConfig(2, 3, 8)
+    code, out, _ = run(capsys, "generate", "--help")
+    assert code == 0 and "default: 12 on a CPU, 60 on a GPU" in " ".join(out.split())
 
 
 def test_bad_device(capsys, engine):
@@ -307,3 +325,131 @@ def test_help_is_for_users(capsys):
                  "--max-seq-len", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed"):
         explained = options.split(f"{flag} {flag[2:].upper().replace('-', '_')} ", 1)[1].split(" --", 1)[0]
         assert len(explained.split()) >= 6, (flag, explained)
+
+
+def test_every_default_is_in_help(capsys):
+    """Every option that has a default (not unset, not an off flag) shows it in its command's --help."""
+    import argparse
+
+    from trtllm_microspec.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            d = action.default
+            if not action.option_strings or d is None or d is False or d is argparse.SUPPRESS:
+                continue
+            explained = " ".join(parser._get_formatter()._format_action(action).split())  # as --help shows it
+            assert "default" in explained, (name, explained)
+            assert str(d if not isinstance(d, list) else ",".join(map(str, d))) in explained or "default:" in explained
+    assert "serve" in sub.choices and "Greedy text generation" not in build_parser().format_help()
+
+
+def long_prompt_message(method: str) -> str:
+    """The one message for a prompt over the limit: the engine's max_seq_len (64 here) less one step's room."""
+    room = ("18 cache slots of room for one speculative round (its draft tree)" if method == "microspec" else
+            "2 cache slots of room for one decode step")
+    return (f"tokens; this engine accepts at most {64 - int(room.split()[0])}: max_seq_len 64 less {room} and the "
+            "next token")
+
+
+def api_error(fn) -> tuple[int, str, str]:
+    from trtllm_microspec.models.registry import UserError
+
+    try:
+        fn()
+    except UserError as e:
+        return 2, "", f"microspec: error: {e}\n"
+    return 0, "", ""
+
+
+LONG = "hello " * 80  # over 64 tokens
+
+
+# (case, how to produce it from (capsys, engine, draft, tmp_path) -> (exit code, stdout, stderr), words of its one line)
+MESSAGES = [
+    ("a JSON prompts file with a number",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write(t / "p.json", '["ok", 7]'))),
+     ["p.json: prompt 1 (counting from 0) is a number 7, not a non-empty string"]),
+    ("a JSON prompts file with an object",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write(t / "p.json", '["ok", "fine", {"role": "user"}]'))),
+     ['prompt 2 (counting from 0) is an object {"role": "user"}, not a non-empty string']),
+    ("a JSON prompts file with an empty string",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write(t / "p.json", '[""]'))),
+     ["prompt 0 (counting from 0) is an empty string"]),
+    ("an engine whose config.json is {}",
+     lambda c, e, d, t: run(c, *gen(config_copy(e, t, "{}"), "--prompt", "hi")),
+     ["is damaged (config.json: no arch, vocab_size, hidden_size, intermediate_size, num_layers, num_heads, "
+      "num_kv_heads, head_dim, rms_norm_eps, rope_theta, max_seq_len, tie_word_embeddings): rebuild it with"]),
+    ("an engine whose config.json is a list",
+     lambda c, e, d, t: run(c, *gen(config_copy(e, t, "[1]"), "--prompt", "hi")),
+     ["config.json: a JSON list, not an object of model settings"]),
+    ("a long prompt, ar, --prompt",
+     lambda c, e, d, t: run(c, *gen(e, "--prompt", LONG, "--max-seq-len", 64)), [long_prompt_message("ar")]),
+    ("a long prompt, ar, --prompts-file",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write(t / "p.txt", f"hi\n{LONG}\n"), "--max-seq-len", 64,
+                                    "--max-new-tokens", 8)),
+     [long_prompt_message("ar")]),
+    ("a long prompt, microspec, --prompt",
+     lambda c, e, d, t: run(c, *gen(e, "--prompt", LONG, "--max-seq-len", 64, "--method", "microspec", "--draft", d)),
+     [long_prompt_message("microspec")]),
+    ("a long prompt, microspec, --prompts-file",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write(t / "p.txt", f"{LONG}\n"), "--max-seq-len", 64,
+                                    "--method", "microspec", "--draft", d)), [long_prompt_message("microspec")]),
+    ("a long prompt, microspec, LLM.generate",
+     lambda c, e, d, t: api_error(lambda: llm(e, d).generate(LONG)), [long_prompt_message("microspec")]),
+    ("a long prompt, microspec, LLM.generate of a list",
+     lambda c, e, d, t: api_error(lambda: llm(e, d).generate(["hi", LONG])), [long_prompt_message("microspec")]),
+    ("a long prompt, microspec, LLM.stream",
+     lambda c, e, d, t: api_error(lambda: list(llm(e, d).stream(LONG))), [long_prompt_message("microspec")]),
+]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def config_copy(engine_dir: Path, tmp_path: Path, text: str) -> Path:
+    d = damaged_copy(engine_dir, tmp_path / "engine")
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(text)
+    return d
+
+
+_llms: dict = {}
+
+
+def llm(engine, draft):
+    from trtllm_microspec import LLM
+
+    if "microspec" not in _llms:  # one model for the API rows
+        _llms["microspec"] = LLM(engine, "microspec", draft=draft, device="cpu", max_seq_len=64)
+    return _llms["microspec"]
+
+
+@pytest.mark.parametrize("case, produce, words", MESSAGES, ids=[m[0] for m in MESSAGES])
+def test_message(capsys, engine, random_draft_dir, tmp_path, case, produce, words):
+    assert_user_error(produce(capsys, engine, random_draft_dir, tmp_path), *words)
+
+
+def test_prompts_file_requests_have_their_phase_times(capsys, engine, random_draft_dir, tmp_path):
+    """The batched engine times the steps each request took part in: prefill and decode; a batched round runs its
+    phases as one launch, so they are not split (None), where the single-request path splits them."""
+    for method in ("ar", "microspec"):
+        prompts = write(tmp_path / "p.txt", "Hi\nWhy is the sky blue?\n")
+        code, out, err = run(capsys, *gen(engine, "--prompts-file", prompts, "--max-new-tokens", 6, "--json",
+                                          "--method", method, "--draft", random_draft_dir))
+        assert code == 0, err
+        results = [json.loads(line) for line in out.strip().splitlines()]
+        assert len(results) == 2 and results[0]["num_new_tokens"] == 6
+        for r in results:
+            s = r["stats"]
+            assert s["prefill_s"] > 0 and s["decode_s"] + s["prefill_s"] <= s["wall_s"]
+            assert (s["decode_s"] > 0) == (r["num_new_tokens"] > 1)  # the first token comes from the prefill
+            assert s["draft_s"] is None and s["verify_s"] is None and s["update_s"] is None
+    code, out, err = run(capsys, *gen(engine, "--prompt", "Hi", "--max-new-tokens", 6, "--json", "--method",
+                                      "microspec", "--draft", random_draft_dir))
+    s = json.loads(out)["stats"]
+    assert code == 0 and s["draft_s"] > 0 and s["verify_s"] > 0
+    assert s["decode_s"] == pytest.approx(s["draft_s"] + s["verify_s"] + s["update_s"])

@@ -37,7 +37,7 @@ def test_quickstart(capsys):
     out = capsys.readouterr().out
     assert "identical to AR greedy: True" in out
     assert "== microspec:" in out and "acceptance length" in out
-    assert "== tree: depth 3, tree-top-k 4, 12 tokens (the CPU's default)" in out  # the CPU's small tree
+    assert "== tree: depth 3, tree-top-k 4, 12 tokens (unset knobs: the CPU's tree)" in out  # the CPU's small tree
 
 
 def test_quickstart_tree_knobs_given_win(capsys):

@@ -329,7 +329,7 @@ def test_serve_stops_on_sigterm_with_a_request_in_flight(engine_dir, random_draf
     http, grpc, metrics = free_ports(3)
     cmd = [sys.executable, "-m", "trtllm_microspec.cli", *serve_args(engine_dir, random_draft_dir),
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--exit-timeout", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert "ready" in proc.stdout.readline()
         url = f"127.0.0.1:{grpc}"
@@ -349,6 +349,8 @@ def test_serve_stops_on_sigterm_with_a_request_in_flight(engine_dir, random_draf
         reader.start()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()  # it says so, and when it is done
+        assert "microspec serve: SIGTERM, shutting down" in err and err.rstrip().endswith("microspec serve: stopped")
         reader.join(timeout=60)
         assert not reader.is_alive() and errors == ["the server is shutting down"]  # an error, not a hang
     finally:

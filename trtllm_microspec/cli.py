@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib
 import json
@@ -41,12 +42,15 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    "position join the window each round (0: only the draft tree's tokens)")
     p.add_argument("--static-k", type=int, default=32768, help="frspec: the draft may propose the K most frequent "
                    "ids (from --tree-top-k to the vocabulary size)")
-    p.add_argument("--depth", type=int, default=5, help="draft tree depth: levels the draft grows after its first "
-                   "guess, i.e. depth+1 draft calls per round (at least 1)")
-    p.add_argument("--tree-top-k", dest="top_k", metavar="TREE_TOP_K", type=int, default=10, help="draft tree "
-                   "width: guesses kept per node and nodes grown per level (at least 1; LLM's top_k)")
-    p.add_argument("--total-tokens", type=int, default=60, help="draft tree size, the root included: tokens the "
-                   "target checks in one pass per round (2 to 1 + top_k + depth*top_k^2)")
+    # the tree's knobs default to the device's tree (spec.tree.tree_for): a 60-token tree costs a CPU several
+    # decode steps per verify
+    p.add_argument("--depth", type=int, help="draft tree depth: levels the draft grows after its first guess, i.e. "
+                   "depth+1 draft calls per round (at least 1; default: 3 on a CPU, 5 on a GPU)")
+    p.add_argument("--tree-top-k", dest="top_k", metavar="TREE_TOP_K", type=int, help="draft tree width: guesses "
+                   "kept per node and nodes grown per level (at least 1; LLM's top_k; default: 4 on a CPU, 10 on a "
+                   "GPU)")
+    p.add_argument("--total-tokens", type=int, help="draft tree size, the root included: tokens the target checks "
+                   "in one pass per round (2 to 1 + top_k + depth*top_k^2; default: 12 on a CPU, 60 on a GPU)")
     p.add_argument("--max-seq-len", type=int, help="most tokens, prompt and output together, one request may hold "
                    "(the KV cache length; default and upper bound: the engine's)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, ablation)")
@@ -94,6 +98,18 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
                kv_memory=getattr(a, "kv_memory", None))
 
 
+def resolve_tree(a: argparse.Namespace, device: str | None = None):
+    """--depth / --tree-top-k / --total-tokens left unset take the tree of the device the command runs on
+    (spec.tree.tree_for, which LLM(...) uses too); returns that device."""
+    from .engine.loader import pick_device
+    from .spec.tree import tree_for
+
+    dev = pick_device(device or a.device)[0]
+    t = tree_for(dev, a.depth, a.top_k, a.total_tokens)
+    a.depth, a.top_k, a.total_tokens = t.depth, t.top_k, t.total_tokens
+    return dev
+
+
 def cmd_models(a) -> None:
     from .models import registry
 
@@ -129,6 +145,10 @@ def cmd_build_draft(a) -> None:
     print(build_draft(a.checkpoint, resolve_engine(a.engine), a.out))
 
 
+JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", type(None): "null", list: "an array",
+              dict: "an object"}
+
+
 def read_prompts(path: str) -> list[str]:
     try:
         text = Path(path).read_text()
@@ -138,8 +158,12 @@ def read_prompts(path: str) -> list[str]:
         prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln]
     except ValueError as e:
         raise UserError(f"{path} is not a JSON list of prompts: {e}") from None
-    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+    if not prompts:
         raise UserError(f"{path} holds no prompts (one per line, or a JSON list of strings)")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            what = "an empty string" if p == "" else f"{JSON_TYPES[type(p)]} {json.dumps(p)[:40]}"
+            raise UserError(f"{path}: prompt {i} (counting from 0) is {what}, not a non-empty string")
     return prompts
 
 
@@ -172,25 +196,11 @@ def cmd_generate(a) -> None:
     print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s, {s['tokens_per_s']:.1f} tok/s{extra}]", file=sys.stderr)
 
 
-# measured on the 2-core CPU (BENCHMARKS.md 0.6): a 12-token tree breaks even with AR there, the GPU's 60-token
-# tree runs at 0.6x AR, since one verify costs several decode steps on a CPU
-CPU_TREE = {"depth": 3, "top_k": 4, "total_tokens": 12}
-
-
 def cmd_quickstart(a) -> None:
-    """The main job: fetch and build the default model, then AR and MicroSpec on one chat prompt. The tree knobs
-    left unset take the CPU's small tree on a CPU and the default tree elsewhere."""
-    import torch
-
-    from .spec.tree import TreeConfig
-
-    on_cpu = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
-    tree = CPU_TREE if on_cpu else dataclasses.asdict(TreeConfig())
-    for knob, value in tree.items():
-        if getattr(a, knob) is None:
-            setattr(a, knob, value)
-    print(f"== tree: depth {a.depth}, tree-top-k {a.top_k}, {a.total_tokens} tokens"
-          + (" (the CPU's default)" if on_cpu else ""))
+    """The main job: fetch and build the default model, then AR and MicroSpec on one chat prompt."""
+    dev = resolve_tree(a)
+    print(f"== tree: depth {a.depth}, tree-top-k {a.top_k}, {a.total_tokens} tokens (unset knobs: the "
+          f"{'CPU' if dev.type == 'cpu' else 'GPU'}'s tree)")
     prompt = a.prompt
     results = {}
     for method in ("ar", "microspec"):
@@ -210,8 +220,9 @@ def cmd_quickstart(a) -> None:
 
 
 DESCRIPTION = """\
-Greedy text generation with EAGLE-2 speculative decoding and MicroSpec's tiny dynamic draft vocabulary: the
-output is exactly the model's own greedy output, produced in fewer target passes.
+LLM inference with EAGLE-2 speculative decoding and MicroSpec's tiny dynamic draft vocabulary: greedy output is
+exactly the model's own greedy output, sampled output follows the model's own distribution, and both take fewer
+target passes.
 
 start here:   microspec quickstart          (fetch SmolLM2-135M, build it, compare AR and MicroSpec)
 generate:     microspec generate --prompt "Why is the sky blue?" --chat --method microspec
@@ -219,15 +230,33 @@ serve:        microspec serve               (Triton Inference Server: gRPC strea
 `microspec COMMAND --help` explains each command; bad input ends with one line `microspec: error: ...`, exit 2."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless it names it already; options whose default is unset
+    (None) or off (a flag) say nothing. Descriptions keep their own line breaks."""
+
+    def _format_action(self, action):
+        d, text = action.default, action.help or ""
+        if (action.option_strings and not (d is None or d is False or d is argparse.SUPPRESS)
+                and action.help is not argparse.SUPPRESS and "default" not in text):
+            shown = ((",".join(map(str, d)) or "none") if isinstance(d, list) else str(d)).replace("%", "%%")
+            action = copy.copy(action)  # read at --help time: set_defaults may have changed the default
+            action.help = f"{text} (default: {shown})" if text else f"default: {shown}"
+        return super()._format_action(action)
+
+
 class Parser(argparse.ArgumentParser):
-    """Bad arguments get one line, like every other error of the command (argparse prints its usage too)."""
+    """Bad arguments get one line, like every other error of the command (argparse prints its usage too).
+    Sub-commands' parsers are Parsers too, so every --help shows the defaults (HelpFormatter)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"microspec: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="microspec", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="microspec", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("models", help="list or fetch the real models")
@@ -266,7 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quickstart", help="fetch + build the default model, run AR and MicroSpec, compare")
     add_llm_args(q)
-    q.set_defaults(depth=None, top_k=None, total_tokens=None)  # resolved per device in cmd_quickstart
     q.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.set_defaults(func=cmd_quickstart)

@@ -23,7 +23,7 @@ from .engine.executor import Executor
 from .engine.loader import load_target, one_line, pick_device, read_config
 from .models.registry import MODELS, UserError, cache_dir
 from .spec.sampling import SamplingParams
-from .spec.tree import TreeConfig
+from .spec.tree import tree_for
 from .vocab.strategies import METHODS, make_vocab
 
 BATCHED = ("ar", "eagle", "frspec", "microspec", "microspec-paper")  # methods the batched engine runs
@@ -96,17 +96,20 @@ class Result:
 class LLM:
     def __init__(self, engine: str | Path, method: str = "ar", draft: str | Path | None = None,
                  device: str | None = None, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3,
-                 static_k: int = 32768, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
-                 max_seq_len: int | None = None, cuda_graphs: bool = True, dtype: str | None = None,
-                 tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S, max_batch: int = 16,
-                 kv_memory: float | None = None):
+                 static_k: int = 32768, depth: int | None = None, top_k: int | None = None,
+                 total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
+                 dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
+                 max_batch: int = 16, kv_memory: float | None = None):
+        """depth / top_k / total_tokens left None: the device's tree (spec.tree.tree_for: depth 3, top-k 4,
+        12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
-        check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, depth, top_k,
-                    total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory)
-        self.method = method
         self.device, dtype = pick_device(device, dtype)
+        tree = tree_for(self.device, depth, top_k, total_tokens)
+        check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, tree.depth, tree.top_k,
+                    tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory)
+        self.method = method
         if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
             self.device = parallel.init(tp, self.device, tp_timeout)
         if self.device.index is not None:  # Triton kernels launch on the thread's current GPU, not the tensors' one
@@ -128,7 +131,6 @@ class LLM:
             head = self.target.head_weight if parallel.world() == 1 else self.target.full_head
             vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max,
                                ranked_ids=self._ranked_ids() if method != "eagle" else None, static_k=static_k)
-        tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total_tokens)
         self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,
                                  cuda_graphs=cuda_graphs and self.device.type == "cuda")
         if self.executor.max_prompt < 1:

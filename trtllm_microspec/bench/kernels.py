@@ -17,7 +17,8 @@ flushed before each replay (in a real round the target model evicts everything i
                                        stream, and naive (the paper's "x Async": update + an indexed GEMM over
                                        head[id_of] each call, no packing)
 Bandwidth = the bytes a kernel must move (weights read; a gather reads and writes each row) / its time, against
-the 4.2 TB/s measured copy bandwidth (shared/GPU.md). "launch" is the replay of one empty kernel.
+the 4.2 TB/s that a large device-to-device copy reaches on the H200 (bytes read + written). "launch" is the replay
+of one empty kernel.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from ..models.model import ModelConfig, Span
 from ..models.registry import UserError
 from ..spec.tree import causal
 
-COPY_BW = 4.2e12  # bytes/s, read + written, measured on the H200 (shared/GPU.md)
+COPY_BW = 4.2e12  # bytes/s, read + written, a large device-to-device copy on the H200
 DEVICE = "cuda"
 CONTEXT = 1024  # committed positions the draft layer attends to
 STATIC_K = 32768
@@ -306,7 +307,7 @@ def run(a) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("bench-kernels", help="time MicroSpec's kernels and draft steps on the GPU",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     p.add_argument("--out", help="write the markdown table to this file and JSON beside it (.json)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, default=[1, 10, 60], help="hidden-state rows per head call")

@@ -223,7 +223,7 @@ def markdown(rows, layer_rows, proj_rows, meta) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser("profile", help="per-phase GPU time and kernel counts of a decode step, and one layer's pieces",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     p.add_argument("--engine", default="qwen2.5-coder-1.5b", help="engine directory or model key")
     p.add_argument("--context", type=int, default=512, help="committed tokens before the step")
     p.add_argument("--tree", type=int, default=60, help="tree-verify tokens")

@@ -287,4 +287,4 @@ class VLLMReference:
 
 def require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
-        raise UserError("vllm is not installed (pip install vllm==0.26.0 on a CUDA machine: see README, Outside references)")
+        raise UserError("vllm is not installed (pip install vllm==0.26.0 on a CUDA machine: see docs/bench.md)")

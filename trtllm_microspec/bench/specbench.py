@@ -35,8 +35,13 @@ WINDOWS = ("microspec", "microspec-paper")  # the W_max sweep's methods: the fil
 WARMUP_TOKENS = 64  # warm-up only has to touch every kernel and allocation once, not generate a full answer
 
 
+# Spec-Bench's question.jsonl (Apache-2.0) and HumanEval (MIT) ship inside the package, with their licences
+PACKAGED_DATA = Path(__file__).resolve().parents[1] / "evaldata"
+
+
 def data_dir(arg: str | None) -> Path:
-    d = Path(arg or os.environ.get("MICROSPEC_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")
+    """--data, else $MICROSPEC_DATA, else the packaged copy; a directory with spec_bench/ (and humaneval/)."""
+    d = Path(arg or os.environ.get("MICROSPEC_DATA") or PACKAGED_DATA)
     if not (d / "spec_bench" / "question.jsonl").exists():
         raise UserError(f"no Spec-Bench data at {d}/spec_bench/question.jsonl: pass --data DIR or set MICROSPEC_DATA")
     return d
@@ -181,7 +186,7 @@ def summarize(records: list[dict]) -> dict:
         "new_tokens": sum(r["new_tokens"] for r in records),
         "speed": sum(speeds) / len(speeds),
         "acceptance_length": emitted / rounds if rounds else None,
-        "draft_share": sum(r.get("draft_s", 0.0) for r in records) / sum(r["time_s"] for r in records),
+        "draft_share": sum(r.get("draft_s") or 0.0 for r in records) / sum(r["time_s"] for r in records),
         "vocab_mean": sum(r["vocab_mean"] * r["rounds"] for r in records if r.get("rounds")) / rounds if rounds else None,
         "coverage": sum(c * n for c, n in covered) / max(1, sum(n for _, n in covered)) if covered else None,
     }
@@ -312,6 +317,9 @@ def cmd_bench(a) -> None:
                             f"{', '.join(unbatched)}")
         if a.tp > 1:
             raise UserError("--concurrency runs the batched engine, on one device (no --tp)")
+    from ..cli import resolve_tree
+
+    resolve_tree(a)  # recorded in the results: the device's tree unless given
     questions = load_questions(data_dir(a.data), a.categories, a.limit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -435,7 +443,7 @@ def register(sub) -> None:
     from ..cli import add_llm_args, add_sampling_args
 
     p = sub.add_parser("bench", help="Spec-Bench + HumanEval: speed, speedup, acceptance, vocabulary per method",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     add_llm_args(p)  # --method is not used here: --methods lists what to run
     add_sampling_args(p)
     p.add_argument("--methods", type=_names, default=["ar", "eagle", "frspec", "microspec"],
@@ -455,6 +463,7 @@ def register(sub) -> None:
     p.add_argument("--server", help="with --concurrency: load a running `microspec serve` instead of a model "
                    "here, at its gRPC address (host:port) or OpenAI endpoint (http://host:port/v1); --methods and the "
                    "model options are then the server's")
-    p.add_argument("--data", help="data directory (default: MICROSPEC_DATA or <repo>/../shared/data)")
+    p.add_argument("--data", help="data directory with spec_bench/question.jsonl and humaneval/HumanEval.jsonl.gz "
+                   "(default: $MICROSPEC_DATA, else the copy inside the package)")
     p.add_argument("--out", default="bench_out", help="directory for results.json, results.md and the plots")
     p.set_defaults(func=cmd_bench)

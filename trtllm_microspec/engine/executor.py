@@ -25,6 +25,29 @@ from .stats import Stats
 PREFILL_CHUNK = 512  # prompt rows per LM-head call when collecting top-K_pre (never [L x V] at once)
 
 
+def round_reserve(tree: TreeConfig | None) -> int:
+    """Cache slots a step may write past the committed length: a speculative round's tree, compacted path and
+    draft expansions; an AR step its one token (tree None)."""
+    return max(tree.total_tokens, tree.max_path + tree.draft_slots) if tree else 1
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, vocab_size: int,
+                  reserve: int) -> None:
+    """The one rule for a request, on every path (the single-request executor, the batched engine, serving): a
+    prompt leaves room for one step (`reserve` slots) and its first token within max_seq_len."""
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    if max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    limit = max_seq_len - reserve - 1
+    if len(prompt_ids) > limit:
+        room = "one speculative round (its draft tree) and" if reserve > 1 else "one decode step and"
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; this engine accepts at most {limit}: max_seq_len "
+                        f"{max_seq_len} less {reserve + 1} cache slots of room for {room} the next token")
+    if max(prompt_ids) >= vocab_size or min(prompt_ids) < 0:
+        raise UserError("the prompt has token ids outside the vocabulary")
+
+
 class PhaseTimer:
     """Accumulates time per phase; on CUDA with events, read once at the end (no sync inside the loop)."""
 
@@ -60,8 +83,7 @@ class Executor:
         self.k_pre, self.k_ver = k_pre, k_ver
         dev = self.device = target.cache.k.device
         self.stop_ids = set(target.cfg.eos_ids)
-        # cache slots a round may write past the committed length (tree, compacted path, draft expansions)
-        self.reserve = max(tree.total_tokens, tree.max_path + tree.draft_slots) if draft else 1
+        self.reserve = round_reserve(tree if draft else None)
         self.graphs = GraphRunner() if cuda_graphs else None
         # persistent device state, updated in place by the phases
         self.n = torch.zeros((), dtype=torch.long, device=dev)
@@ -80,15 +102,8 @@ class Executor:
         return self.target.cfg.max_seq_len - self.reserve - 1
 
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        if not prompt_ids:
-            raise UserError("the prompt is empty")
-        if max_new_tokens <= 0:
-            raise UserError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if len(prompt_ids) > self.max_prompt:
-            raise UserError(f"the prompt has {len(prompt_ids)} tokens; this engine accepts at most "
-                            f"{self.max_prompt} (max_seq_len {self.target.cfg.max_seq_len})")
-        if max(prompt_ids) >= self.target.cfg.vocab_size or min(prompt_ids) < 0:
-            raise UserError("the prompt has token ids outside the vocabulary")
+        check_request(prompt_ids, max_new_tokens, self.target.cfg.max_seq_len, self.target.cfg.vocab_size,
+                      self.reserve)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int,
             sampling: SamplingParams = GREEDY) -> Generator[list[int], None, Stats]:

@@ -88,6 +88,6 @@ def load_target(engine_dir: str | Path, device: torch.device, dtype: torch.dtype
     except Exception as e:
         raise damaged(d, f"tokenizer: {e}") from None
     model.setup(dtype, device).eval()
-    if tp and draft_head:  # each rank gathers the draft vocabulary's rows from its own copy (README: Multi-GPU)
+    if tp and draft_head:  # each rank gathers the draft vocabulary's rows from its own copy (docs/parallel.md)
         model.full_head = full_head.to(device=device, dtype=dtype)
     return model, tokenizer

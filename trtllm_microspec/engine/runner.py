@@ -21,13 +21,12 @@ import torch
 from plugins.layers import KV_BLOCK
 
 from ..models.model import KVCache, Span, Transformer
-from ..models.registry import UserError
 from ..spec.batch_tree import accept, draft_trees, physical, verify
 from ..spec.sampling import Sampler, tempered
 from ..spec.tree import TreeConfig, causal
 from ..vocab.batched import batch_vocab
 from .block_manager import BlockManager, pool_blocks
-from .executor import PREFILL_CHUNK
+from .executor import PREFILL_CHUNK, check_request, round_reserve
 from .graphs import GraphRunner, bucket_for
 from .scheduler import PREFILL_BUDGET
 
@@ -54,7 +53,7 @@ class BatchRunner:
         per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
         # table columns: S buckets reach up to max_seq_len, a padded prefill chunk up to PREFILL_BUDGET past it
         width = -(-(c.max_seq_len + PREFILL_BUDGET) // KV_BLOCK)
-        self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), c.max_seq_len // KV_BLOCK)
+        self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), -(-c.max_seq_len // KV_BLOCK))
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
         # one table row per batch slot, plus the padding slot (all block 0)
         self.table = torch.zeros(max_batch + 1, width, dtype=torch.long, device=dev)
@@ -70,15 +69,11 @@ class BatchRunner:
         self.graphs = GraphRunner() if cuda_graphs else None
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        if not prompt:
-            raise UserError("the prompt is empty")
-        if max_new_tokens <= 0:
-            raise UserError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if max(prompt) >= self.target.cfg.vocab_size or min(prompt) < 0:
-            raise UserError("the prompt has token ids outside the vocabulary")
+        check_request(prompt, max_new_tokens, self.target.cfg.max_seq_len, self.target.cfg.vocab_size, self.reserve)
 
     def slots_for(self, prompt: list[int], max_new_tokens: int) -> int:
-        return len(prompt) + max_new_tokens + self.reserve
+        """A request stops at max_seq_len whatever its budget (Scheduler: "length"), as on the single path."""
+        return min(len(prompt) + max_new_tokens + self.reserve, self.target.cfg.max_seq_len)
 
     def join(self, req, blocks: list[int]) -> None:
         req.slot = heapq.heappop(self.free_slots)
@@ -188,8 +183,7 @@ class SpecRunner(BatchRunner):
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False):
-        reserve = max(tree.total_tokens, tree.max_path + tree.draft_slots)
-        super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1, reserve=reserve,
+        super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1, reserve=round_reserve(tree),
                          levels=tree.max_path)
         self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
         dev = self.device

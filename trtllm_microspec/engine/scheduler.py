@@ -71,6 +71,8 @@ class Scheduler:
         self.blocks.check(self.runner.slots_for(prompt, max_new_tokens), "this request")
         req = Request(prompt=list(prompt), max_new_tokens=max_new_tokens, params=params)
         req.stats.prompt_tokens = len(prompt)
+        # a step's time counts for every request in it; a round's phases run as one launch: not split
+        req.stats.decode_s, req.stats.draft_s, req.stats.verify_s, req.stats.update_s = 0.0, None, None, None
         with self.lock:
             self.waiting.append(req)
         return req
@@ -122,20 +124,27 @@ class Scheduler:
             budget -= chunk
             chunks.append((req, chunk))
         if chunks:
+            t0 = time.perf_counter()
             try:
-                firsts = self.runner.prefill(chunks)  # one pass for all of them
+                firsts = self.runner.prefill(chunks)  # one pass for all of them (its first tokens read back)
             except Exception as e:  # these requests fail, the batch goes on
                 firsts = [None] * len(chunks)
                 for req, _ in chunks:
                     self._fail(req, e)
+            dt = time.perf_counter() - t0
             for (req, _), first in zip(chunks, firsts):
+                req.stats.prefill_s += dt
                 if first is not None:
                     req.t_first = time.perf_counter()
                     emitted.append((req, self._emit(req, first)))
         just = {r.rid for r, _ in emitted}  # their first token came from the prefill: they decode next step
         ready = [r for r in self.running if r.out and not r.done and r.rid not in just]
         if ready:
-            for req, toks in zip(ready, self.runner.decode(ready)):
+            t0 = time.perf_counter()
+            outs = self.runner.decode(ready)  # its tokens read back: the step is over
+            dt = time.perf_counter() - t0
+            for req, toks in zip(ready, outs):
+                req.stats.decode_s += dt
                 emitted.append((req, self._emit(req, toks)))
         return emitted
 
@@ -154,6 +163,8 @@ class Scheduler:
             req.emits.append((time.perf_counter(), len(toks)))
         if stop is not None or len(req.out) >= req.max_new_tokens:
             self._finish(req, "eos" if stop is not None else "max_tokens")
+        elif req.n + self.runner.reserve >= self.runner.target.cfg.max_seq_len:  # no room for another step: the
+            self._finish(req, "length")  # single-request executor's rule, so the same tokens
         return toks
 
     def run(self, requests: list[Request]) -> None:

@@ -16,14 +16,19 @@ class Stats:
     vocab_max: int = 0
     covered: int = 0  # emitted tokens that were in their round's draft vocabulary
     prefill_s: float = 0.0  # target prefill (+ top-K_pre, window start and draft prefill)
-    draft_s: float = 0.0  # drafting the tree (depth + 1 draft forwards and head calls)
-    verify_s: float = 0.0  # target pass over the tree, acceptance, KV compaction (AR: the decode steps)
-    update_s: float = 0.0  # window update + gather (copy stream) overlapped with the draft's catch-up forward
+    # the single-request path times a round's phases; the batched engine runs a round as one launch (one CUDA
+    # graph), so its requests have decode_s only (the steps they took part in) and None for the three phases
+    draft_s: float | None = 0.0  # drafting the tree (depth + 1 draft forwards and head calls)
+    verify_s: float | None = 0.0  # target pass over the tree, acceptance, KV compaction (AR: the decode steps)
+    update_s: float | None = 0.0  # window update + gather (copy stream) overlapped with the draft's catch-up forward
+    decode_s: float | None = None  # every decode step or round (None: the sum of the three phases)
     wall_s: float = 0.0
     stop_reason: str = ""
 
     def summary(self) -> dict:
         d = asdict(self)
+        if self.decode_s is None:
+            d["decode_s"] = self.draft_s + self.verify_s + self.update_s
         d["acceptance_length"] = self.round_tokens / self.rounds if self.rounds else 0.0
         d["vocab_mean"] = self.vocab_sum / self.rounds if self.rounds else 0.0
         d["coverage"] = self.covered / self.round_tokens if self.round_tokens else None

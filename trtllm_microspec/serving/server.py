@@ -74,10 +74,11 @@ instance_group [ {{ count: 1 kind: {kind}{gpus} }} ]
 
 def model_params(a: argparse.Namespace) -> dict[str, str]:
     """The model's knobs as config.pbtxt parameters (all strings; empty = the engine's default)."""
+    # the tree's knobs left unset: "", the tree of the device the model loads on (spec.tree.tree_for)
+    tree = {k: "" if getattr(a, k) is None else str(getattr(a, k)) for k in ("depth", "top_k", "total_tokens")}
     return {"engine_dir": str(a.engine), "draft_dir": str(a.draft or ""), "method": a.method,
             "device": a.device or "", "w_max": str(a.w_max), "k_pre": str(a.k_pre), "k_ver": str(a.k_ver),
-            "static_k": str(a.static_k), "depth": str(a.depth), "top_k": str(a.top_k),
-            "total_tokens": str(a.total_tokens), "max_seq_len": str(a.max_seq_len or ""), "dtype": a.dtype or "",
+            "static_k": str(a.static_k), **tree, "max_seq_len": str(a.max_seq_len or ""), "dtype": a.dtype or "",
             "cuda_graphs": str(not a.eager).lower(), "max_batch": str(a.max_batch),
             "kv_memory": "" if a.kv_memory is None else str(a.kv_memory), "max_queue_size": str(a.max_queue_size),
             "tp": str(a.tp), "tp_timeout": str(a.tp_timeout)}
@@ -299,19 +300,35 @@ def openai_front(host: str, port: int | None):
     return OpenAIFront(host, port)
 
 
+def _shutting_down(signum, _frame) -> None:
+    """SIGTERM and Ctrl-C unwind alike: the server and its stubs are stopped on the way out (the `with` blocks);
+    a second one during that stop forces it (TritonServer.stop)."""
+    print(f"microspec serve: {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
+    raise KeyboardInterrupt
+
+
 def cmd_serve(a: argparse.Namespace) -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM unwinds like Ctrl-C: the server is stopped
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background of a script
+    signal.signal(signal.SIGTERM, _shutting_down)
+    signal.signal(signal.SIGINT, _shutting_down)  # also when started in the background of a script
+    try:
+        _serve(a)
+    except KeyboardInterrupt:
+        print("microspec serve: stopped", file=sys.stderr, flush=True)
+
+
+def _serve(a: argparse.Namespace) -> None:
     pytriton_dir()  # fail early and clearly without the serve extra
     stub_site(a.stub_site)
     with tempfile.TemporaryDirectory(prefix="microspec-repo-") as tmp:
         repo = Path(a.model_repository) if a.model_repository else None
         port = None  # of the tensor-parallel group's store (--tp > 1)
         if repo is None:
+            from ..cli import resolve_tree
             from ..engine.loader import read_config
             from ..llm import DRAFT_SUBDIR, check_knobs, resolve_engine
 
             a.engine = resolve_engine(a.engine).resolve()  # builds a model key's engine here, not in the stub
+            resolve_tree(a, "cuda" if a.gpus else None)  # the tree of the device the model will run on
             # bad knobs fail here in one line, not later as a model that will not load inside the server
             check_knobs(read_config(a.engine).vocab_size, a.w_max, a.k_pre, a.k_ver, a.static_k, a.depth, a.top_k,
                         a.total_tokens, a.max_seq_len, a.tp, a.tp_timeout, a.max_batch, a.kv_memory)
@@ -352,13 +369,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
                   f".../generate_stream (server-sent events)\n"
                   f"  metrics  http://{a.host}:{a.metrics_port}/metrics\n"
                   f"{openai}Ctrl-C to stop.", flush=True)
-            try:
-                while (rc := server.proc.poll()) is None:
-                    followers.check()
-                    time.sleep(0.5)
-            except KeyboardInterrupt:
-                print("stopping tritonserver", file=sys.stderr)
-                return
+            while (rc := server.proc.poll()) is None:
+                followers.check()
+                time.sleep(0.5)
             raise UserError(f"tritonserver exited with code {rc}: {server.log_errors()}")
 
 

@@ -36,6 +36,20 @@ class TreeConfig:
         return self.depth * self.top_k
 
 
+# The tree that fits a CPU: verifying the GPU's 60-token tree costs several decode steps there (measured on a
+# 2-core CPU: microspec 0.64x and eagle 0.4x AR with it), while this 12-token one breaks even with AR.
+CPU_TREE = TreeConfig(depth=3, top_k=4, total_tokens=12)
+
+
+def tree_for(device: torch.device | str, depth: int | None = None, top_k: int | None = None,
+             total_tokens: int | None = None) -> TreeConfig:
+    """The draft tree on `device`: each knob given wins, each left None takes the device's default (CPU_TREE on a
+    CPU, TreeConfig() -- depth 5, top-k 10, 60 tokens -- on a GPU). Every command and LLM(...) decides here."""
+    base = CPU_TREE if torch.device(device).type == "cpu" else TreeConfig()
+    return TreeConfig(depth=base.depth if depth is None else depth, top_k=base.top_k if top_k is None else top_k,
+                      total_tokens=base.total_tokens if total_tokens is None else total_tokens)
+
+
 @dataclass
 class Tree:
     tokens: torch.Tensor  # [N] root first

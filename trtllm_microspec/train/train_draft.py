@@ -9,7 +9,7 @@ get uniform noise, as EAGLE's training does.
 
 Training-time test (HASS / EAGLE-3; --ttt-steps, 1 = EAGLE's single-step recipe, the default: on the H200 at equal
 wall time, 3 and 5 unrolled steps flattened accuracy over depth but cost so many optimizer steps that depth-1
-accuracy and acceptance fell, BENCHMARKS.md 00.1): the draft is unrolled as the tree
+accuracy and acceptance fell, BENCHMARKS.md, Training): the draft is unrolled as the tree
 drafts it. Step s of row i sits at position i+s, reads token i+s+1 (the data's) and the draft's own output of
 step s-1 (step 0: the target's feature i), and attends to what a tree node at depth s sees: the committed rows
 <= i of step 0 (causal within the conversation) and its own path, the steps 1..s of row i. It predicts feature
