@@ -163,6 +163,10 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
     print(f"[distill] {len(convs)} conversations, {len(convs) - len(todo)} already done in {out}, "
           f"{len(todo)} to answer", file=sys.stderr)
 
+    run = {"answers": 0, "answer_tokens": 0, "conversations": 0, "skipped": 0}
+    if not todo:
+        _write_json(out / MANIFEST, m)
+        return _summary(out, m, run, False, t0)
     llm = LLM(engine_dir, method="ar", device=device, max_batch=max_batch or (256 if _cuda(device) else 16),
               kv_memory=kv_memory)
     tok, sched = llm.tokenizer, llm.scheduler()
@@ -177,7 +181,6 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
 
     active: dict = {}  # Request -> _Conv
     finished: list[_Conv] = []
-    run = {"answers": 0, "answer_tokens": 0, "conversations": 0, "skipped": 0}
 
     def submit(c: _Conv) -> bool:
         try:
@@ -263,6 +266,10 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
           f"skipped{'; --time-limit reached' if stopped else ''}; {out} holds {m['conversations']} conversations",
           file=sys.stderr)
     del sched, llm
+    return _summary(out, m, run, stopped, t0)
+
+
+def _summary(out: Path, m: dict, run: dict, stopped: bool, t0: float) -> dict:
     return {"out": str(out), **{k: m[k] for k in ("conversations", "answers", "answer_tokens", "tokens")},
             "run": run, "stopped": stopped, "wall_s": perf_counter() - t0}
 
