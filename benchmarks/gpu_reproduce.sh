@@ -11,6 +11,13 @@
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
 #   sampling   the same at temperature 0.7 (speculative sampling)
 #   sweep      in-flight batching: ar, eagle, microspec at concurrency LEVELS, and vLLM with every prompt at once
+#   head-ab    draft-head recipes at equal wall time (issue 28): distill KEY's own answers for DISTILL_LIMIT s
+#              into $OUT/head_ab/distilled (kept: a rerun reuses it), then one train-draft per arm of ARMS, each
+#              --time-limit ARM_LIMIT, scored by held-out top-1 at depths 1-5 (the same held-out distilled
+#              conversations for every arm) and acceptance (eagle, default tree) on EVAL_Q questions of each
+#              Spec-Bench category + HumanEval -> $OUT/head_ab/head_ab.md. Arms: sharegpt (today's data),
+#              distilled, mixed (distilled + ShareGPT), sharegpt-pruned, mixed-pruned (--loss pruned),
+#              mixed-pruned-ttt2. ~17 min on an H200 with the default 3 arms.
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
 OUT=${OUT:-gpu_out}
@@ -21,7 +28,12 @@ TRAIN_LIMIT=${TRAIN_LIMIT:-450}   # the held-out evaluation and --eval run after
 TRAIN_ARGS=${TRAIN_ARGS:---eval}
 METHODS=${METHODS:-ar,eagle,frspec,microspec}   # frspec needs `microspec build-freq --engine KEY` first
 LEVELS=${LEVELS:-1,2,4,8,16,32}  # sweep: the concurrency levels
-REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
+DISTILL_LIMIT=${DISTILL_LIMIT:-170}   # head-ab: seconds of distilling (engine load included)
+DISTILL_ARGS=${DISTILL_ARGS:---max-batch 256}
+ARM_LIMIT=${ARM_LIMIT:-220}  # head-ab: --time-limit of each arm (tokenising and caching included; --eval after it)
+ARMS=${ARMS:-sharegpt mixed mixed-pruned}
+EVAL_Q=${EVAL_Q:-2}          # head-ab: --eval questions per category
+AB_ARGS=${AB_ARGS:-}         # head-ab: more train-draft arguments for every arm (e.g. --epochs 2)    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
 mkdir -p "$OUT"
 ms() { python3 -m trtllm_microspec.cli "$@"; }
 for stage in "$@"; do
@@ -59,6 +71,49 @@ EOF
     sweep)
       ms bench --engine "$KEY" --draft "$HEAD" --methods ar,eagle,microspec,vllm --concurrency "$LEVELS" \
         --limit "$LIMIT" --max-new-tokens "$TOKENS" --warmup 2 --out "$OUT/sweep_$KEY" | grep "tok/s" ;;
+    head-ab)
+      AB="$OUT/head_ab"; DIST="$AB/distilled"
+      mkdir -p "$AB"
+      if [ ! -f "$DIST/manifest.json" ]; then
+        ms distill --engine "$KEY" --out "$DIST" --time-limit "$DISTILL_LIMIT" $DISTILL_ARGS 2>&1 \
+          | tr '\r' '\n' | grep "\[distill\]\|^{\|rror" | tee "$AB/distill.log"
+      fi
+      for arm in $ARMS; do
+        case $arm in
+          sharegpt) args="--heldout-data $DIST" ;;
+          sharegpt-pruned) args="--heldout-data $DIST --loss pruned" ;;
+          distilled) args="--data $DIST" ;;
+          mixed) args="--data $DIST --mix-sharegpt" ;;
+          mixed-pruned) args="--data $DIST --mix-sharegpt --loss pruned" ;;
+          mixed-pruned-ttt2) args="--data $DIST --mix-sharegpt --loss pruned --ttt-steps 2" ;;
+          *) echo "unknown head-ab arm $arm"; exit 2 ;;
+        esac
+        ms train-draft --engine "$KEY" --out "$AB/$arm" --time-limit "$ARM_LIMIT" --save-every 0 --eval \
+          --eval-methods eagle --eval-questions "$EVAL_Q" $args $AB_ARGS 2>&1 | tr '\r' '\n' \
+          | grep "\[train-draft\]\|^{\|rror" | tee "$AB/$arm.log" || true
+        grep "^{" "$AB/$arm.log" | tail -1 > "$AB/$arm.json" || true
+      done
+      python3 - "$AB" $ARMS <<'EOF' | tee "$AB/head_ab.md"
+import json, sys
+from pathlib import Path
+ab, arms = Path(sys.argv[1]), sys.argv[2:]
+m = json.loads((ab / "distilled" / "manifest.json").read_text())
+print(f"distilled: {m['conversations']} conversations, {m['answers']} answers, {m['answer_tokens']:,} answer "
+      f"tokens ({m['tokens']:,} in all), settings {json.dumps(m['settings'])}\n")
+print("| arm | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
+      "| wall s |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for arm in arms:
+    f = ab / f"{arm}.json"
+    if not f.exists() or not f.read_text().strip():
+        print(f"| {arm} | failed: see {arm}.log | | | | | | | | |")
+        continue
+    r = json.loads(f.read_text())
+    acc = " / ".join(f"{a:.3f}" for a in r["heldout_acc"])
+    print(f"| {arm} | {r['data']} | {r['loss']} | {r['ttt_steps']} | {r['train_tokens']:,} | {r['epochs']} | "
+          f"{r['train_tok_per_s']:,} | {acc} | {r.get('acceptance', {}).get('eagle', '-')} | {r['wall_s']:.0f} |")
+EOF
+      ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
