@@ -76,7 +76,7 @@ EOF
       mkdir -p "$AB"
       if [ ! -f "$DIST/manifest.json" ]; then
         ms distill --engine "$KEY" --out "$DIST" --time-limit "$DISTILL_LIMIT" $DISTILL_ARGS 2>&1 \
-          | tr '\r' '\n' | grep "\[distill\]\|^{\|rror" | tee "$AB/distill.log"
+          | tr '\r' '\n' | grep --line-buffered "\[distill\]\|^{\|rror" | tee "$AB/distill.log"
       fi
       for arm in $ARMS; do
         case $arm in
@@ -90,7 +90,7 @@ EOF
         esac
         ms train-draft --engine "$KEY" --out "$AB/$arm" --time-limit "$ARM_LIMIT" --save-every 0 --eval \
           --eval-methods eagle --eval-questions "$EVAL_Q" $args $AB_ARGS 2>&1 | tr '\r' '\n' \
-          | grep "\[train-draft\]\|^{\|rror" | tee "$AB/$arm.log" || true
+          | grep --line-buffered "\[train-draft\]\|^{\|rror" | tee "$AB/$arm.log" || true
         grep "^{" "$AB/$arm.log" | tail -1 > "$AB/$arm.json" || true
       done
       python3 - "$AB" $ARMS <<'EOF' | tee "$AB/head_ab.md"

@@ -216,45 +216,51 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
     bar = tqdm(total=len(todo), desc="distill", unit="conv", dynamic_ncols=True)
     t_gen = perf_counter()
     stopped = False
-    while True:
-        while len(active) < depth and not stopped:
-            i = next(nxt, None)
-            if i is None:
+    try:
+        while True:
+            while len(active) < depth and not stopped:
+                i = next(nxt, None)
+                if i is None:
+                    break
+                users = _users(convs[i])
+                text = tok.apply_chat([{"role": "user", "content": users[0]}]) if users else ""
+                c = _Conv(i, users, tok.encode(text), text) if users else None
+                if c is None or not 0 < len(c.ids) <= limit or not submit(c):
+                    m["skipped"].append(i)
+                    run["skipped"] += 1
+                    bar.update(1)
+            if not active:
                 break
-            users = _users(convs[i])
-            text = tok.apply_chat([{"role": "user", "content": users[0]}]) if users else ""
-            ids = tok.encode(text) if users else []
-            c = _Conv(i, users, ids, text) if users else None
-            if c is None or not 0 < len(ids) <= limit or not submit(c):
-                m["skipped"].append(i)
-                run["skipped"] += 1
+            sched.step()
+            for req in [r for r in active if r.done]:
+                c = active.pop(req)
+                if req.error:  # dropped, not marked done: a later run tries it again
+                    run["failed"] = run.get("failed", 0) + 1
+                    print(f"[distill] conversation {c.index} failed: {req.error}", file=sys.stderr)
+                    bar.update(1)
+                    continue
+                _answered(c, req.out, stop_ids, tok, limit, turns)
+                run["answers"] += 1
+                run["answer_tokens"] += len(req.out)
+                if c.text and submit(c):
+                    continue  # the next turn is in flight
+                c.ids, c.mask = c.ids[:c.keep], c.mask[:c.keep]  # (a next prompt that could not run is dropped)
+                finished.append(c)
+                run["conversations"] += 1
                 bar.update(1)
-        if not active:
-            break
-        sched.step()
-        for req in [r for r in active if r.done]:
-            c = active.pop(req)
-            if req.error:
-                raise RuntimeError(f"distill: conversation {c.index} failed: {req.error}")
-            _answered(c, req.out, stop_ids, tok, limit, turns)
-            run["answers"] += 1
-            run["answer_tokens"] += len(req.out)
-            if c.text and submit(c):
-                continue  # the next turn is in flight
-            c.ids, c.mask = c.ids[:c.keep], c.mask[:c.keep]  # (a next prompt that could not run is dropped)
-            finished.append(c)
-            run["conversations"] += 1
-            bar.update(1)
-            if len(finished) >= SHARD_CONVS:
-                flush()
-        secs = perf_counter() - t_gen
-        bar.set_postfix(req=run["answers"], tok_per_s=f"{run['answer_tokens'] / max(secs, 1e-9):,.0f}",
-                        refresh=False)
-        if time_limit is not None and perf_counter() - t0 > time_limit and not stopped:
-            stopped = True  # what is in flight is dropped; what finished is kept
-            for r in active:
-                sched.cancel(r)
-            active.clear()
+                if len(finished) >= SHARD_CONVS:
+                    flush()
+            secs = perf_counter() - t_gen
+            bar.set_postfix(req=run["answers"], tok_per_s=f"{run['answer_tokens'] / max(secs, 1e-9):,.0f}",
+                            refresh=False)
+            if time_limit is not None and perf_counter() - t0 > time_limit and not stopped:
+                stopped = True  # what is in flight is dropped; what finished is kept
+                for r in active:
+                    sched.cancel(r)
+                active.clear()
+    except KeyboardInterrupt:
+        flush()  # keep what finished; the next run continues from it
+        raise
     bar.close()
     if stopped:
         sched.step()  # the cancelled requests leave at this boundary and give their blocks back

@@ -73,6 +73,7 @@ PROBE_STEPS = 10  # steps timed (after the first) to fit the schedule to --time-
 PROBE_ROWS = 4  # held-out rows timed (forward + backward, after one warm-up row) to plan the data under --time-limit
 CACHE_SLACK = 1.25  # caching may take this much longer than planned before it stops (the rest is left out)
 LOSSES = ("full", "pruned")
+FEATURE_RESERVE = 16 << 30  # bytes of device memory left free by the cached features: the training step's own
 EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
 EVAL_METHODS = ("eagle", "microspec")
 CHECKPOINT = "checkpoint.pt"
@@ -461,6 +462,8 @@ def training_data(engine_dir: Path, tok: Tokenizer, max_len: int, heldout: float
             held = tokenize(tok, convs[-n_held:], max_len, "held-out")
     if not first and not rest:
         raise UserError(f"{distilled} leaves no training conversation once its held-out part is taken")
+    if not held:
+        raise UserError(f"the held-out conversations of {held_src or 'ShareGPT'} have no assistant tokens")
     what = " + ".join(w for w, n in (("distilled", len(first)), ("ShareGPT", len(rest))) if n)
     return first + rest, len(first), held, what
 
@@ -524,6 +527,13 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
               f"{keep} of {len(train_packs)} rows ({what}), >= {epochs:g} epochs", file=sys.stderr)
     else:
         keep = len(train_packs)
+    if dev.type == "cuda" and not resume:  # the features stay on the device: as many rows as its memory holds
+        free = torch.cuda.mem_get_info(dev)[0] - FEATURE_RESERVE
+        fits = max(1, int(free // (max_len * target.cfg.hidden_size * 2)))
+        if fits < keep:
+            print(f"[train-draft] device memory holds the features of {fits} of the {keep} planned rows",
+                  file=sys.stderr)
+            keep = fits
     planned = sum(p.real for p in train_packs[:keep])
     until = perf_counter() + CACHE_SLACK * planned / cache_rate if time_limit is not None and not resume else math.inf
     train_packs = target_features(target, train_packs[:keep], "train", until)
