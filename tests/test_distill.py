@@ -185,3 +185,14 @@ def test_plan_rows():
     assert plan_rows(rows, 20.0, 100.0, 300.0, 3) == 10
     assert plan_rows(rows, 10.0, 100.0, 300.0, 3) == 5
     assert plan_rows(rows, 0.0, 100.0, 300.0, 3) == 1  # always a row
+
+
+def test_one_command_distills_then_trains(engine_dir, tmp_path, capsys):
+    """train-draft --distill-time: distil into <out>/distilled, then train on it, one JSON record for both."""
+    main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--distill-time", "600",
+          "--conversations", "4", "--distill-turns", "1", "--distill-max-tokens", "4", "--distill-max-prompt", "200",
+          "--max-len", "64", "--steps", "1", "--batch-tokens", "64", "--heldout", "0.25", "--device", "cpu",
+          "--save-every", "0"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["distill"]["run"]["conversations"] + r["distill"]["run"]["skipped"] == 4
+    assert r["data"] == "distilled" and r["steps"] == 1 and (tmp_path / "distilled" / MANIFEST).exists()
