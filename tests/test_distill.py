@@ -191,7 +191,7 @@ def test_one_command_distills_then_trains(engine_dir, tmp_path, capsys):
     """train-draft --distill-time: distil into <out>/distilled, then train on it, one JSON record for both."""
     main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--distill-time", "600",
           "--conversations", "4", "--distill-turns", "1", "--distill-max-tokens", "4", "--distill-max-prompt", "200",
-          "--max-len", "64", "--steps", "1", "--batch-tokens", "64", "--heldout", "0.25", "--device", "cpu",
+          "--max-len", "256", "--steps", "1", "--batch-tokens", "256", "--heldout", "0.25", "--device", "cpu",
           "--save-every", "0"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["distill"]["run"]["conversations"] + r["distill"]["run"]["skipped"] == 4

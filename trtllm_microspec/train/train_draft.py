@@ -542,10 +542,10 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     plan = total  # steps in the LR schedule; --time-limit may change it once measured
     key = {"engine": str(engine_dir.resolve()), "data": what, "distilled": str(distilled), "max_len": max_len,
            "seed": seed, "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "loss": loss,
-           "loss_vocab": loss_vocab, "rows": keep}
+           "loss_vocab": loss_vocab, "rows": len(train_packs)}  # the rows cached: --resume caches the same
     start = 0
     if state is not None:
-        if {**state["key"], "rows": keep} != key:
+        if state["key"] != key:
             raise UserError(f"--resume: {out / CHECKPOINT} was made with other settings {state['key']}")
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["opt"])
