@@ -38,7 +38,9 @@ measured steps, the schedule takes every step that fits before the limit (more e
 cosine ends when time does (a hard stop still applies). A checkpoint (fp32 weights +
 optimizer + plan) is written to <out>/checkpoint.pt every --save-every steps (0: never); --resume continues from
 it, and the data order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
---eval then measures the head's acceptance length on one question of each Spec-Bench category and HumanEval.
+--eval then measures the head's acceptance length on --eval-questions questions of each Spec-Bench category and
+HumanEval. --distill-time N makes it one command: `microspec distill` for N seconds into --data (default
+<out>/distilled), then the training on it, both under one --time-limit.
 """
 from __future__ import annotations
 
