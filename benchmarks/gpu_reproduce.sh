@@ -18,6 +18,13 @@
 #              category, and both over W_max FILL_SWEEP (Fig. 6, Fig. 1b's filled line); runs build-freq if missing
 #   openai     serve --openai-port: the same load through gRPC and the OpenAI endpoint at concurrency 1 and 64
 #              (benchmarks/gpu_openai_overhead.sh; needs the serve extra, nvidia-pytriton and STUB_SITE)
+#   head-ab    draft-head recipes at equal wall time (issue 28): distill KEY's own answers for DISTILL_LIMIT s
+#              into $OUT/head_ab/distilled (kept: a rerun reuses it), then one train-draft per arm of ARMS, each
+#              --time-limit ARM_LIMIT, scored by held-out top-1 at depths 1-5 (the same held-out distilled
+#              conversations for every arm) and acceptance (eagle, default tree) on EVAL_Q questions of each
+#              Spec-Bench category + HumanEval -> $OUT/head_ab/head_ab.md. Arms: sharegpt (today's data),
+#              distilled, mixed (distilled + ShareGPT), sharegpt-pruned, mixed-pruned (--loss pruned),
+#              mixed-pruned-ttt2. ~17 min on an H200 with the default 3 arms.
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
 OUT=${OUT:-gpu_out}
@@ -30,6 +37,12 @@ METHODS=${METHODS:-ar,eagle,frspec,microspec}   # frspec needs `microspec build-
 LEVELS=${LEVELS:-1,2,4,8,16,32}  # sweep: the concurrency levels
 REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
 FILL_SWEEP=${FILL_SWEEP:-1024}  # fill: W_max points beside the main 3072 (a comma list; empty: none)
+DISTILL_LIMIT=${DISTILL_LIMIT:-170}   # head-ab: seconds of distilling (engine load included)
+DISTILL_ARGS=${DISTILL_ARGS:---max-batch 256}
+ARM_LIMIT=${ARM_LIMIT:-220}  # head-ab: --time-limit of each arm (tokenising and caching included; --eval after it)
+ARMS=${ARMS:-sharegpt mixed mixed-pruned}
+EVAL_Q=${EVAL_Q:-2}          # head-ab: --eval questions per category
+AB_ARGS=${AB_ARGS:-}         # head-ab: more train-draft arguments for every arm (e.g. --epochs 2)
 mkdir -p "$OUT"
 ms() { python3 -m trtllm_microspec.cli "$@"; }
 for stage in "$@"; do
@@ -80,6 +93,49 @@ EOF
         | grep "tok/s" ;;
     openai)
       OUT="$OUT/openai_$KEY" LEVELS="1 64" bash benchmarks/gpu_openai_overhead.sh "$KEY" "$HEAD" | tail -9 ;;
+    head-ab)
+      AB="$OUT/head_ab"; DIST="$AB/distilled"
+      mkdir -p "$AB"
+      if [ ! -f "$DIST/manifest.json" ]; then
+        ms distill --engine "$KEY" --out "$DIST" --time-limit "$DISTILL_LIMIT" $DISTILL_ARGS 2>&1 \
+          | tr '\r' '\n' | grep --line-buffered "\[distill\]\|^{\|rror" | tee "$AB/distill.log"
+      fi
+      for arm in $ARMS; do
+        case $arm in
+          sharegpt) args="--heldout-data $DIST" ;;
+          sharegpt-pruned) args="--heldout-data $DIST --loss pruned" ;;
+          distilled) args="--data $DIST" ;;
+          mixed) args="--data $DIST --mix-sharegpt" ;;
+          mixed-pruned) args="--data $DIST --mix-sharegpt --loss pruned" ;;
+          mixed-pruned-ttt2) args="--data $DIST --mix-sharegpt --loss pruned --ttt-steps 2" ;;
+          *) echo "unknown head-ab arm $arm"; exit 2 ;;
+        esac
+        ms train-draft --engine "$KEY" --out "$AB/$arm" --time-limit "$ARM_LIMIT" --save-every 0 --eval \
+          --eval-methods eagle --eval-questions "$EVAL_Q" $args $AB_ARGS 2>&1 | tr '\r' '\n' \
+          | grep --line-buffered "\[train-draft\]\|^{\|rror" | tee "$AB/$arm.log" || true
+        grep "^{" "$AB/$arm.log" | tail -1 > "$AB/$arm.json" || true
+      done
+      python3 - "$AB" $ARMS <<'EOF' | tee "$AB/head_ab.md"
+import json, sys
+from pathlib import Path
+ab, arms = Path(sys.argv[1]), sys.argv[2:]
+m = json.loads((ab / "distilled" / "manifest.json").read_text())
+print(f"distilled: {m['conversations']} conversations, {m['answers']} answers, {m['answer_tokens']:,} answer "
+      f"tokens ({m['tokens']:,} in all), settings {json.dumps(m['settings'])}\n")
+print("| arm | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
+      "| wall s |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for arm in arms:
+    f = ab / f"{arm}.json"
+    if not f.exists() or not f.read_text().strip():
+        print(f"| {arm} | failed: see {arm}.log | | | | | | | | |")
+        continue
+    r = json.loads(f.read_text())
+    acc = " / ".join(f"{a:.3f}" for a in r["heldout_acc"])
+    print(f"| {arm} | {r['data']} | {r['loss']} | {r['ttt_steps']} | {r['train_tokens']:,} | {r['epochs']} | "
+          f"{r['train_tok_per_s']:,} | {acc} | {r.get('acceptance', {}).get('eagle', '-')} | {r['wall_s']:.0f} |")
+EOF
+      ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

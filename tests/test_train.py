@@ -1,8 +1,8 @@
 """`microspec train-draft` on the CPU: a few steps on a handful of real ShareGPT conversations with the real
 SmolLM2 engine lower the held-out loss, the unrolled (training-time test) steps see exactly what a draft-tree
 node sees at inference, the head loads and generates, --time-limit fits the schedule to the clock, an
-interrupted run resumed from its checkpoint ends with the same weights as an uninterrupted one, and --eval
-prints acceptance lengths."""
+interrupted run resumed from its checkpoint ends with the same weights as an uninterrupted one, --time-limit plans
+the data from measured rates, and --eval prints acceptance lengths."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,8 @@ from trtllm_microspec.models.tokenizer import Tokenizer
 from trtllm_microspec.spec.eagle import load_draft
 from trtllm_microspec.spec.tree import causal
 from trtllm_microspec.train import train_draft
-from trtllm_microspec.train.train_draft import CHECKPOINT, EVAL_DEPTHS, pack, target_features, tokenize, train, unroll
+from trtllm_microspec.train.train_draft import (CHECKPOINT, EVAL_DEPTHS, pack, plan_rows, target_features, tokenize,
+                                                train, unroll)
 
 ROW = 160  # tokens per packed row: two or three of the short conversations below share one
 KW = dict(max_len=ROW, steps=4, lr=1e-3, batch_tokens=2 * ROW, ttt_steps=2, seed=3, device="cpu", save_every=2,
@@ -101,27 +102,44 @@ def test_saved_head_generates(engine_dir, trained):
 
 
 def test_time_limit_fits_the_schedule_then_stops(engine_dir, convs, tmp_path, monkeypatch):
-    """A fake clock: 1 s a reading up to the first training steps, then 3 s. The plan is fitted to the 1 s steps
-    it measured (start, 3 steps, 5 s left -> 8 steps); the slower steps then meet the hard limit at step 5. Caching
-    reads the clock once per row, at the start time (no row left out)."""
-    rows = sum(len(pack(tokenize(Tokenizer(engine_dir), c, ROW, "rows"), ROW, CPU)) for c in (convs[:-2], convs[-2:]))
-    readings = iter([1] * (1 + rows) + [2, 3, 4] + list(range(7, 100, 3)))
-    monkeypatch.setattr(train_draft, "perf_counter", lambda: next(readings))
+    """A fake clock that stands still but for the optimizer steps: 1 s each for the first 3, then 3 s. The setup
+    takes no time, so every row is planned and cached; the plan is fitted to the 1 s steps it measured (start,
+    3 steps, 5 s left -> 8 steps); the slower steps then meet the hard limit at step 5."""
+    clock = {"t": 1.0, "steps": 0}
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def clip(*args, **kw):  # called once per optimizer step
+        clock["steps"] += 1
+        clock["t"] += 1 if clock["steps"] <= 3 else 3
+        return real_clip(*args, **kw)
+
+    monkeypatch.setattr(train_draft, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     monkeypatch.setattr(train_draft, "PROBE_STEPS", 2)
     r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": 10_000}, time_limit=8)
-    assert (r["steps"], r["planned_steps"]) == (5, 8)
+    rows = len(pack(tokenize(Tokenizer(engine_dir), convs[:-2], ROW, "rows"), ROW, CPU))
+    assert (r["steps"], r["planned_steps"], r["rows"]) == (5, 8, rows)
     assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 5  # the stop saved its checkpoint
 
 
-def test_time_limit_caps_caching(engine_dir, convs, tmp_path, monkeypatch, capsys):
-    """Caching may take CACHE_SHARE of --time-limit: the clock passes it after the first row, so one row is trained."""
-    first = pack(tokenize(Tokenizer(engine_dir), convs[:-2], ROW, "rows"), ROW, CPU)
-    held = len(pack(tokenize(Tokenizer(engine_dir), convs[-2:], ROW, "rows"), ROW, CPU))
-    readings = iter([1] * (1 + held) + [1 + train_draft.CACHE_SHARE * 100 + 1] + [50] * 100)
-    monkeypatch.setattr(train_draft, "perf_counter", lambda: next(readings))
-    r = train(engine_dir, tmp_path, data=convs, **KW, time_limit=100)
-    assert len(first) > 1 and r["train_tokens"] == first[0].real and r["steps"] == KW["steps"]
-    assert f"--time-limit: 1 of {len(first)} rows cached" in capsys.readouterr().err
+def test_time_limit_plans_the_data(engine_dir, convs, tmp_path, monkeypatch, capsys):
+    """Measured rates that hold only part of the rows for --epochs epochs: training takes that many rows (whole
+    conversations, in the seeded order), and every step that fits."""
+    monkeypatch.setattr(train_draft, "perf_counter", lambda: 0.0)  # no time passes: the plan is the rates'
+    monkeypatch.setattr(train_draft, "train_rate", lambda *a: 200.0)
+    def cache_held(target, packs):  # cache them, at a rate of 100 tokens/s
+        target_features(target, packs, "held-out")
+        return 100.0
+
+    monkeypatch.setattr(train_draft, "_cache_held", cache_held)
+    rows = pack(tokenize(Tokenizer(engine_dir), convs[:-2], ROW, "rows"), ROW, CPU)
+    rows = train_draft._shuffled(rows, KW["seed"] + 1)  # the order train() caches ShareGPT's rows in
+    # t tokens cost t / 100 + 2 * t / 200 s with 2 epochs: 4 s hold 200 tokens, one row of the ~160-token rows
+    want = plan_rows([p.real for p in rows], 4.0, 100.0, 200.0, 2.0)
+    assert 1 <= want < len(rows)
+    r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": None, "epochs": 2.0}, time_limit=4)
+    assert r["rows"] == want and r["train_tokens"] == sum(p.real for p in rows[:want])
+    assert f"{want} of {len(rows)} rows" in capsys.readouterr().err
 
 
 def test_resume_matches_uninterrupted_run(engine_dir, convs, trained, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from .models.registry import DEFAULT_MODEL, MODELS, UserError
 FEATURE_MODULES = [
     "trtllm_microspec.vocab.frequency",
     "trtllm_microspec.train.train_draft",
+    "trtllm_microspec.train.distill",
     "trtllm_microspec.bench.specbench",
     "trtllm_microspec.bench.kernels",
     "trtllm_microspec.bench.profile",

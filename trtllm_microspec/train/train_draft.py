@@ -18,19 +18,29 @@ counts when its ancestors were accepted. Held-out accuracy is reported at depths
 draft argmax == target argmax) whatever --ttt-steps is, so runs with different settings compare.
 
 Data: every ShareGPT conversation (or the first --conversations) rendered with the target's chat template (the
-assistant turns are ChatGPT's, as in EAGLE), tokenised in parallel (tokenizers' encode_batch), cut at --max-len
-tokens and packed whole into rows of <= --max-len tokens (no padding): attention is block-diagonal causal within a
-row and positions restart at 0 for each conversation. The target runs once per row; its features are cached on
-the device (bf16 on CUDA) and the target distribution is recomputed from them through the head, a chunk of rows
-at a time (V floats per token would not fit). The last --heldout fraction of the conversations is held out.
+assistant turns are ChatGPT's, as in EAGLE), tokenised in parallel (tokenizers' encode_batch), and/or (--data DIR)
+the target's own answers to ShareGPT's prompts from `microspec distill` (token ids as generated), each cut at
+--max-len tokens and packed whole into rows of <= --max-len tokens (no padding): attention is block-diagonal causal
+within a row and positions restart at 0 for each conversation. The target runs once per row; its features are
+cached on the device (bf16 on CUDA), once, and reused every epoch; the target distribution is recomputed from them
+through the head, a chunk of rows at a time (V floats per token would not fit). The last --heldout fraction of the
+conversations is held out (of the distilled ones when there are any, or of --heldout-data's).
 
-Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs; with --time-limit the plan
-is cut, after a few measured steps, to the steps that fit before the limit, so the cosine ends when time does
-(the clock counts the whole command, caching included; a hard stop still applies); caching the target's features
-may take at most CACHE_SHARE of the limit, and the rows not cached by then are left out. A checkpoint (fp32 weights +
+Token loss (--loss): full = the soft CE over the whole vocabulary (the reference; SoftCE never holds more than one
+chunk of [rows, V] logits); pruned = the soft CE over the --loss-vocab ids most frequent in the training answers,
+both distributions renormalised over them (loss_head: ~k/V of the loss's cost, which at V = 152k is ~80% of a step).
+
+Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs. With --time-limit (the clock
+counts the whole command: distilling, tokenising, caching) the data is planned from measured rates (caching: the
+held-out rows; training: a few forward + backward passes on them): all rows when caching them and training
+--epochs epochs fits the time left, else the rows that do, distilled rows first (plan_rows); then, after a few
+measured steps, the schedule takes every step that fits before the limit (more epochs when there is time), so the
+cosine ends when time does (a hard stop still applies). A checkpoint (fp32 weights +
 optimizer + plan) is written to <out>/checkpoint.pt every --save-every steps (0: never); --resume continues from
 it, and the data order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
---eval then measures the head's acceptance length on one question of each Spec-Bench category and HumanEval.
+--eval then measures the head's acceptance length on --eval-questions questions of each Spec-Bench category and
+HumanEval. --distill-time N makes it one command: `microspec distill` for N seconds into --data (default
+<out>/distilled), then the training on it, both under one --time-limit.
 """
 from __future__ import annotations
 
@@ -61,9 +71,11 @@ STEP_DECAY = 0.8  # EAGLE-3's loss weight per unrolled step
 EVAL_DEPTHS = 5  # the default tree's depth: held-out accuracy at depths 1..5
 CE_CHUNK = 1 << 26  # logits per chunk of the token loss: a [rows, V] fp32 tensor is 256 MB at most
 TOKENIZE_CHUNK = 1024  # conversations per encode_batch call (one progress update each)
-CACHE_SHARE = 0.4  # of --time-limit, at most, for the target's features: on the H200 all of ShareGPT (24.6M tokens)
-# takes qwen2.5-coder-1.5b ~220 s to cache, which left a 450 s run one optimizer step
-PROBE_STEPS = 10  # steps timed (after the first) to plan the schedule under --time-limit
+PROBE_STEPS = 10  # steps timed (after the first) to fit the schedule to --time-limit
+PROBE_ROWS = 4  # held-out rows timed (forward + backward, after one warm-up row) to plan the data under --time-limit
+CACHE_SLACK = 1.25  # caching may take this much longer than planned before it stops (the rest is left out)
+LOSSES = ("full", "pruned")
+FEATURE_RESERVE = 16 << 30  # bytes of device memory left free by the cached features: the training step's own
 EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
 EVAL_METHODS = ("eagle", "microspec")
 CHECKPOINT = "checkpoint.pt"
@@ -191,7 +203,7 @@ def target_features(target: Transformer, packs: list[Pack], desc: str, until: fl
     _sync(packs[0].tokens.device)
     _close(bar, bar.n)
     if done < len(packs):
-        print(f"[train-draft] --time-limit: {done} of {len(packs)} rows cached in {CACHE_SHARE:.0%} of the limit; "
+        print(f"[train-draft] --time-limit: caching ran past its plan, {done} of {len(packs)} rows cached; "
               f"training uses those", file=sys.stderr)
     return packs[:done]
 
@@ -263,14 +275,17 @@ class SoftCE(torch.autograd.Function):
         return g * grad, None, None
 
 
-def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None):
-    """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows."""
+def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None,
+                head: torch.Tensor | None = None):
+    """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows.
+    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head)."""
+    head = target.head_weight if head is None else head
     out = []
     for s, h in enumerate(unroll(draft, p, steps, noise)):
         sel = p.valid(s).nonzero().squeeze(-1)
         nxt = sel + s + 1
         vloss = F.smooth_l1_loss(h[sel].float(), p.feats[nxt].float(), reduction="none").mean(-1).sum()
-        ploss, correct = SoftCE.apply(h[sel], target.head_weight, p.feats[nxt])
+        ploss, correct = SoftCE.apply(h[sel], head, p.feats[nxt])
         out.append((vloss, ploss, correct, len(sel)))
     return out
 
@@ -328,15 +343,81 @@ def init_draft(engine_dir: Path, target: Transformer, device, seed: int) -> Eagl
     return draft.requires_grad_(True).train()
 
 
-def spec_eval(engine_dir: Path, draft_dir: Path, device: str | None, max_new_tokens: int) -> dict:
-    """Acceptance length (tokens per round, bonus included) of the head on the first turn of the first question of
-    each EVAL_CATEGORIES category, per method of EVAL_METHODS (default tree)."""
+def _cache_held(target: Transformer, packs: list[Pack]) -> float:
+    """Caches the held-out rows' features; returns the caching rate (tokens/s) measured after the first row."""
+    t = perf_counter()
+    target_features(target, packs[:1], "held-out")
+    if len(packs) > 1:
+        t = perf_counter()
+        target_features(target, packs[1:], "held-out")
+    return sum(p.real for p in packs[1:] or packs) / max(perf_counter() - t, 1e-9)
+
+
+def loss_head(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], loss: str, k: int):
+    """The LM-head rows the training token loss is taken over, and the share of the training positions whose
+    next token they hold. full: the whole vocabulary (the reference). pruned: the k ids most frequent as assistant
+    tokens of the training data (EOS included): the soft CE is then between the draft's and the target's
+    distributions both renormalised over those ids, at k/V of the loss's cost (the logits, the softmax and the
+    input gradient are ~80% of a step at V = 152k). The draft still outputs a feature through the frozen full head;
+    what the pruned loss no longer pushes down is mass on the rare ids. A lumped 'rest' term would need the
+    draft's full-vocabulary normaliser, the very cost being cut. Held-out evaluation always uses the full loss."""
+    V = target.head_weight.shape[0]
+    if loss == "full" or k >= V:
+        return None, 1.0
+    counts = np.bincount(np.concatenate([ids[m] for ids, m in seqs]), minlength=V)[:V]
+    rank = counts.astype(np.float64)
+    rank[[e for e in target.cfg.eos_ids if e < V]] = np.inf  # the end of an answer is always predictable
+    ids = np.sort(np.argsort(-rank, kind="stable")[:k])
+    share = float(counts[ids].sum()) / max(1, int(counts.sum()))
+    return target.head_weight[torch.from_numpy(ids).to(target.head_weight.device)].contiguous(), share
+
+
+def plan_rows(row_tokens: list[int], left: float, cache_rate: float, train_rate: float, epochs: float) -> int:
+    """Rows (a prefix of the caching order) that can be cached and then trained for `epochs` epochs in `left`
+    seconds: t tokens cost t / cache_rate + epochs * t / train_rate. At least one row; all when they fit."""
+    budget = max(0.0, left) / (1.0 / cache_rate + epochs / train_rate)
+    cum = np.cumsum(row_tokens)
+    return max(1, int(np.searchsorted(cum, budget, side="right")))
+
+
+def train_rate(draft: EagleDraft, target: Transformer, packs: list[Pack], steps: int, head) -> float:
+    """Training tokens/s: forward + backward (the gradients are dropped) on a few held-out rows, after one
+    warm-up row (compilation, cuDNN plans)."""
+    rows = [packs[i % len(packs)] for i in range(PROBE_ROWS + 1)]
+    dev = rows[0].tokens.device
+    t = 0.0
+    for j, p in enumerate(rows):
+        if j == 1:
+            _sync(dev)
+            t = perf_counter()
+        with _autocast(dev):
+            losses = pack_losses(draft, target, p, steps, None, head)
+        sum(vl + CE_WEIGHT * pl for vl, pl, _, _ in losses).backward()
+    _sync(dev)
+    draft.zero_grad(set_to_none=True)
+    return sum(p.real for p in rows[1:]) / max(perf_counter() - t, 1e-9)
+
+
+def _cut(seqs, max_len: int):
+    """Distilled conversations cut at max_len, as tokenize cuts ShareGPT's; those left with no loss dropped."""
+    out = [(ids[:max_len], m[:max_len]) for ids, m in seqs]
+    return [(ids, m) for ids, m in out if len(ids) > 1 and m[1:].any()]
+
+
+def _shuffled(packs: list[Pack], seed: int) -> list[Pack]:
+    return [packs[i] for i in torch.randperm(len(packs), generator=torch.Generator().manual_seed(seed)).tolist()]
+
+
+def spec_eval(engine_dir: Path, draft_dir: Path, device: str | None, max_new_tokens: int,
+              methods: tuple[str, ...] = EVAL_METHODS, questions: int = 1) -> dict:
+    """Acceptance length (tokens per round, bonus included) of the head on the first turn of the first `questions`
+    questions of each EVAL_CATEGORIES category, per method (default tree)."""
     from ..bench.specbench import data_dir, load_questions
     from ..llm import LLM
 
-    questions = load_questions(data_dir(None), list(EVAL_CATEGORIES), 1)
+    questions = load_questions(data_dir(None), list(EVAL_CATEGORIES), questions)
     out = {}
-    for method in EVAL_METHODS:
+    for method in methods:
         llm = LLM(engine_dir, method=method, draft=draft_dir, device=device)
         rounds = tokens = 0
         for q in tqdm(questions, desc=f"acceptance ({method})", unit="prompt", dynamic_ncols=True):
@@ -348,19 +429,70 @@ def spec_eval(engine_dir: Path, draft_dir: Path, device: str | None, max_new_tok
     return out
 
 
+def training_data(engine_dir: Path, tok: Tokenizer, max_len: int, heldout: float, conversations: int | None,
+                  data: list[list[dict]] | None, distilled, mix_sharegpt: bool, heldout_data):
+    """-> (train sequences in priority order, how many come first (distilled), held-out sequences, description).
+    Sources: ShareGPT (the default, or `data`), and/or a `microspec distill` directory. The held-out part is the last
+    `heldout` fraction of the conversations of heldout_data (default: the distilled directory if any, else ShareGPT's);
+    when it is a distilled directory, those conversations' ShareGPT indices are left out of every training source, so
+    arms with different data score on the same held-out text (the target's own answers)."""
+    from ..data import sharegpt_conversations
+    from .distill import load_distilled
+
+    dist = load_distilled(distilled, engine_dir)[0] if distilled else []
+    held_src = heldout_data or distilled
+    if held_src:
+        pool = dist if held_src == distilled else load_distilled(held_src, engine_dir)[0]
+        pool = sorted(pool, key=lambda c: c[0])
+        n_held = max(1, round(heldout * len(pool)))
+        if len(pool) <= n_held and held_src == distilled:
+            raise UserError(f"need more than {n_held} distilled conversations to hold {n_held} out, got {len(pool)}")
+        held_ix = {c for c, _, _ in pool[-n_held:]}
+        held = _cut([(ids, m) for c, ids, m in pool[-n_held:]], max_len)
+        dist = [(ids, m) for c, ids, m in sorted(dist, key=lambda c: c[0]) if c not in held_ix]
+    first = _cut(dist, max_len)
+    rest = []
+    if not distilled or mix_sharegpt:
+        convs = data if data is not None else sharegpt_conversations(conversations)
+        if held_src:
+            rest = tokenize(tok, [c for i, c in enumerate(convs) if i not in held_ix], max_len, "train")
+        else:
+            n_held = max(1, round(heldout * len(convs)))
+            if len(convs) <= n_held:
+                raise UserError(f"need more than {n_held} conversations to hold {n_held} out, got {len(convs)}")
+            rest = tokenize(tok, convs[:-n_held], max_len, "train")
+            held = tokenize(tok, convs[-n_held:], max_len, "held-out")
+    if not first and not rest:
+        raise UserError(f"{distilled} leaves no training conversation once its held-out part is taken")
+    if not held:
+        raise UserError(f"the held-out conversations of {held_src or 'ShareGPT'} have no assistant tokens")
+    what = " + ".join(w for w, n in (("distilled", len(first)), ("ShareGPT", len(rest))) if n)
+    return first + rest, len(first), held, what
+
+
 def train(engine: str | Path, out: str | Path, conversations: int | None = None, max_len: int = 4096,
-          steps: int | None = None, epochs: float = 2.0, lr: float = 5e-4, batch_tokens: int = 32768,
+          steps: int | None = None, epochs: float = 3.0, lr: float = 5e-4, batch_tokens: int = 32768,
           ttt_steps: int = 1, seed: int = 0, device: str | None = None, resume: bool = False,
           save_every: int = 200, heldout: float = 0.02, time_limit: float | None = None,
-          eval_tokens: int = 0, data: list[list[dict]] | None = None) -> dict:
-    """Returns the run's record (also printed by the command). eval_tokens > 0: --eval with that many new tokens."""
-    from ..data import sharegpt_conversations
+          eval_tokens: int = 0, data: list[list[dict]] | None = None, distilled: str | Path | None = None,
+          mix_sharegpt: bool = False, heldout_data: str | Path | None = None, loss: str = "full",
+          loss_vocab: int = 32768, eval_methods: tuple[str, ...] = EVAL_METHODS, eval_questions: int = 1) -> dict:
+    """Returns the run's record (also printed by the command). eval_tokens > 0: --eval with that many new tokens.
+    Under time_limit the data is planned from measured rates: every row when caching it and training it for
+    `epochs` epochs fits, else the rows that do (distilled rows first, then ShareGPT's, each in a seeded random
+    order); the schedule then takes every step that fits the time left (more epochs when there is time)."""
     from ..engine.loader import load_target, pick_device, read_config
     from ..llm import resolve_engine
 
     t0 = perf_counter()
     if ttt_steps < 1:
         raise UserError("--ttt-steps must be at least 1")
+    if loss not in LOSSES:
+        raise UserError(f"unknown --loss {loss!r}; choose one of {', '.join(LOSSES)}")
+    if loss_vocab < 1 or epochs <= 0:
+        raise UserError(f"--loss-vocab and --epochs must be positive, got {loss_vocab} and {epochs}")
+    if mix_sharegpt and not distilled:
+        raise UserError("--mix-sharegpt mixes ShareGPT into --data DIR: give --data")
     if eval_tokens:
         from ..bench.specbench import data_dir
         data_dir(None)  # no Spec-Bench data is an error now, not after the training
@@ -370,32 +502,53 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     # a row must fit the target's KV cache, and its positions + the unrolled steps the rope tables
     max_len = min(max_len, read_config(engine_dir).max_seq_len - EVAL_DEPTHS)
     target, tok = load_target(engine_dir, dev, dtype, max_seq_len=max_len)
-    convs = data if data is not None else sharegpt_conversations(conversations)
-    n_held = max(1, round(heldout * len(convs)))
-    if len(convs) <= n_held:
-        raise UserError(f"need more than {n_held} conversations to hold {n_held} out, got {len(convs)}")
-    train_packs = pack(tokenize(tok, convs[:-n_held], max_len, "train"), max_len, dev)
-    held_packs = pack(tokenize(tok, convs[-n_held:], max_len, "held-out"), max_len, dev)
-    target_features(target, held_packs, "held-out")
-    # under --time-limit the features take at most CACHE_SHARE of it: the rows not cached by then are left out
-    cache_until = t0 + CACHE_SHARE * time_limit if time_limit is not None and not resume else math.inf
-    train_packs = target_features(target, train_packs, "train", cache_until)
+    seqs, n_first, held, what = training_data(engine_dir, tok, max_len, heldout, conversations, data, distilled,
+                                              mix_sharegpt, heldout_data)
+    head, coverage = loss_head(target, seqs, loss, loss_vocab)
+    first = pack(seqs[:n_first], max_len, dev)
+    train_packs = _shuffled(first, seed) + _shuffled(pack(seqs[n_first:], max_len, dev), seed + 1)
+    held_packs = pack(held, max_len, dev)
+    del seqs
+    cache_rate = _cache_held(target, held_packs)
 
     per_step = max(1, batch_tokens // max_len)
-    total = steps or math.ceil(epochs * len(train_packs) / per_step)
-    plan = total  # steps in the LR schedule; --time-limit may cut it once measured
     draft = init_draft(engine_dir, target, dev, seed)
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    key = {"engine": str(engine_dir.resolve()), "conversations": len(convs), "max_len": max_len, "seed": seed,
-           "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "rows": len(train_packs), "total_steps": total}
-    start = 0
+    state = None
     if resume:
         ck = out / CHECKPOINT
         if not ck.exists():
             raise UserError(f"--resume: no checkpoint at {ck}")
         state = torch.load(ck, map_location=dev, weights_only=True)
+        keep = min(len(train_packs), int(state["key"]["rows"]))  # the rows the interrupted run planned
+    elif time_limit is not None:
+        rate = train_rate(draft, target, held_packs, ttt_steps, head)
+        left = t0 + time_limit - perf_counter()
+        keep = plan_rows([p.real for p in train_packs], left, cache_rate, rate, epochs)
+        print(f"[train-draft] plan: caching {cache_rate:,.0f} tok/s, training {rate:,.0f} tok/s, {left:.0f} s left: "
+              f"{keep} of {len(train_packs)} rows ({what}), >= {epochs:g} epochs", file=sys.stderr)
+    else:
+        keep = len(train_packs)
+    if dev.type == "cuda" and not resume:  # the features stay on the device: as many rows as its memory holds
+        free = torch.cuda.mem_get_info(dev)[0] - FEATURE_RESERVE
+        fits = max(1, int(free // (max_len * target.cfg.hidden_size * 2)))
+        if fits < keep:
+            print(f"[train-draft] device memory holds the features of {fits} of the {keep} planned rows",
+                  file=sys.stderr)
+            keep = fits
+    planned = sum(p.real for p in train_packs[:keep])
+    until = perf_counter() + CACHE_SLACK * planned / cache_rate if time_limit is not None and not resume else math.inf
+    train_packs = target_features(target, train_packs[:keep], "train", until)
+
+    total = steps or math.ceil(epochs * len(train_packs) / per_step)
+    plan = total  # steps in the LR schedule; --time-limit may change it once measured
+    key = {"engine": str(engine_dir.resolve()), "data": what, "distilled": str(distilled), "max_len": max_len,
+           "seed": seed, "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "loss": loss,
+           "loss_vocab": loss_vocab, "rows": len(train_packs)}  # the rows cached: --resume caches the same
+    start = 0
+    if state is not None:
         if state["key"] != key:
-            raise UserError(f"--resume: {ck} was made with other settings {state['key']}")
+            raise UserError(f"--resume: {out / CHECKPOINT} was made with other settings {state['key']}")
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["opt"])
         start, plan = state["step"], state["plan"]
@@ -409,13 +562,13 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         n = max(1, sum(train_packs[i].n for i in order))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, plan, lr)
-        loss = correct = 0
+        loss_sum = correct = 0
         for i in order:
             with _autocast(dev):
-                losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise)
+                losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise, head)
             part = sum(STEP_DECAY ** s * (vl + CE_WEIGHT * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
             part.backward()
-            loss, correct = loss + part.detach(), correct + losses[0][2]
+            loss_sum, correct = loss_sum + part.detach(), correct + losses[0][2]
             seen += train_packs[i].real
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)  # EAGLE's clip
         opt.step()
@@ -426,10 +579,12 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
             t_probe = now  # the first step pays for warm-up: timing starts after it
         if time_limit is not None and done == start + 1 + PROBE_STEPS:
             per = (now - t_probe) / PROBE_STEPS
-            plan = min(plan, done + max(0, int((t0 + time_limit - now) / per)))
+            fit = done + max(0, int((t0 + time_limit - now) / per))
+            plan = min(steps, fit) if steps else fit  # every step that fits: more epochs when there is time
             bar.total = plan
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(correct) / n:.3f}", lr=f"{lr_at(step, plan, lr):.1e}",
+        bar.set_postfix(loss=f"{float(loss_sum):.3f}", acc1=f"{float(correct) / n:.3f}",
+                        lr=f"{lr_at(step, plan, lr):.1e}",
                         tok_per_s=f"{seen / max(bar.format_dict['elapsed'], 1e-9):.3g}")
         stop = time_limit is not None and now - t0 > time_limit  # the plan is an estimate; the limit is not
         if save_every and (done % save_every == 0 or done == plan or stop):
@@ -438,23 +593,27 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
                         "opt": opt.state_dict()}, out / CHECKPOINT)
         if stop:
             break
+    train_s = bar.format_dict["elapsed"]
     _close(bar, seen)
     after = evaluate(draft, target, held_packs)
     save_draft(draft, out, engine_dir)
-    r = {"out": str(out), "steps": done, "planned_steps": plan, "epoch_steps": total, "ttt_steps": ttt_steps,
-         "train_tokens": sum(p.real for p in train_packs), "heldout_loss_start": before["loss"],
+    tokens = sum(p.real for p in train_packs)
+    r = {"out": str(out), "data": what, "loss": loss, "steps": done, "planned_steps": plan, "epoch_steps": total,
+         "ttt_steps": ttt_steps, "train_tokens": tokens, "rows": len(train_packs),
+         "epochs": round(seen / max(tokens, 1), 2), "train_tok_per_s": round(seen / max(train_s, 1e-9)),
+         "loss_vocab_coverage": round(coverage, 4), "heldout_loss_start": before["loss"],
          "heldout_acc_start": before["acc"], "heldout_loss": after["loss"], "heldout_acc": after["acc"],
          "heldout_positions": after["positions"], "train_s": perf_counter() - t0}
     print(f"[train-draft] held-out top-1 at depths 1..{EVAL_DEPTHS}: {after['acc']} (start {before['acc']}), "
-          f"{done} steps, {r['train_s']:.0f} s", file=sys.stderr)
+          f"{done} steps ({r['epochs']} epochs of {tokens:,} tokens), {r['train_s']:.0f} s", file=sys.stderr)
     if eval_tokens:
-        del train_packs, held_packs, target, draft, opt
+        del train_packs, held_packs, target, draft, opt, head
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # the cached features go back before the evaluation engines load
-        r["acceptance"] = spec_eval(engine_dir, out, device, eval_tokens)
-        print(f"[train-draft] acceptance length (tokens per round, {len(EVAL_CATEGORIES)} prompts): "
-              f"{r['acceptance']}", file=sys.stderr)
+        r["acceptance"] = spec_eval(engine_dir, out, device, eval_tokens, eval_methods, eval_questions)
+        print(f"[train-draft] acceptance length (tokens per round, {eval_questions} question(s) of each of "
+              f"{len(EVAL_CATEGORIES)} categories): {r['acceptance']}", file=sys.stderr)
     r["wall_s"] = perf_counter() - t0
     return r
 
@@ -462,35 +621,76 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
 def cmd_train_draft(a) -> None:
     if a.eval and a.eval_tokens < 1:
         raise UserError("--eval-tokens must be at least 1")
+    methods = tuple(m for m in a.eval_methods.split(",") if m)
+    if not methods or any(m not in EVAL_METHODS for m in methods):
+        raise UserError(f"--eval-methods: a comma-separated subset of {','.join(EVAL_METHODS)}, got {a.eval_methods!r}")
+    t0, time_limit, data, distilled = perf_counter(), a.time_limit, a.data, None
+    if a.distill_time is not None:  # one command: distill into --data (default <out>/distilled), then train on it
+        from .distill import distill
+        if time_limit is not None and a.distill_time >= time_limit:
+            raise UserError(f"--distill-time {a.distill_time} leaves no training time in --time-limit {time_limit}")
+        data = data or str(Path(a.out) / "distilled")
+        distilled = distill(a.engine, data, conversations=a.conversations, turns=a.distill_turns,
+                            max_tokens=a.distill_max_tokens, max_prompt=a.distill_max_prompt,
+                            temperature=a.distill_temperature, top_p=a.distill_top_p, top_k=a.distill_top_k,
+                            seed=a.seed, max_batch=a.distill_max_batch, kv_memory=a.distill_kv_memory,
+                            device=a.device, time_limit=a.distill_time)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the engine's KV pool goes back before the features are cached
+        if time_limit is not None:
+            time_limit -= perf_counter() - t0
     r = train(a.engine, a.out, conversations=a.conversations, max_len=a.max_len, steps=a.steps, epochs=a.epochs,
               lr=a.lr, batch_tokens=a.batch_tokens, ttt_steps=a.ttt_steps, seed=a.seed, device=a.device,
-              resume=a.resume, save_every=a.save_every, heldout=a.heldout, time_limit=a.time_limit,
-              eval_tokens=a.eval_tokens if a.eval else 0)
+              resume=a.resume, save_every=a.save_every, heldout=a.heldout, time_limit=time_limit,
+              eval_tokens=a.eval_tokens if a.eval else 0, distilled=data, mix_sharegpt=a.mix_sharegpt,
+              heldout_data=a.heldout_data, loss=a.loss, loss_vocab=a.loss_vocab, eval_methods=methods,
+              eval_questions=a.eval_questions)
+    if distilled is not None:
+        r["distill"] = distilled
+        r["wall_s"] = perf_counter() - t0
     print(json.dumps(r))
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head for an engine on ShareGPT")
+    from .distill import add_distill_args
+
+    p = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head for an engine (ShareGPT and/or the "
+                                           "target's own answers from `microspec distill`)")
     p.add_argument("--engine", required=True, help="engine directory or model key")
     p.add_argument("--out", required=True, help="draft directory (config.json + model.safetensors, checkpoint.pt)")
     p.add_argument("--conversations", type=int, help="first N ShareGPT conversations (default: all)")
+    p.add_argument("--data", help="a `microspec distill` directory: train on the target's own answers (alone, or "
+                                  "with --mix-sharegpt); its last --heldout fraction is the held-out set")
+    p.add_argument("--mix-sharegpt", action="store_true", help="with --data: also train on ShareGPT's "
+                   "conversations (the distilled rows come first when --time-limit leaves some data out)")
+    p.add_argument("--heldout-data", help="a `microspec distill` directory whose last --heldout fraction is the "
+                   "held-out set (default: --data's; without --data, ShareGPT's): arms on other data compare")
+    p.add_argument("--distill-time", type=float, help="first distill for this many seconds into --data (default "
+                   "<out>/distilled), then train on it; --time-limit counts both")
+    add_distill_args(p, "distill-")
     p.add_argument("--max-len", type=int, default=4096, help="tokens per packed row (and per conversation)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: from --epochs)")
-    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--steps", type=int, help="optimizer steps (default: from --epochs; under --time-limit, at most)")
+    p.add_argument("--epochs", type=float, default=3.0, help="epochs over the data; under --time-limit the least "
+                   "the planned data gets (more when there is time; less data when the time holds fewer)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per optimizer step (whole rows)")
     p.add_argument("--ttt-steps", type=int, default=1, help="unrolled draft steps per position (training-time "
                                                             "test); 1 = EAGLE's single-step recipe")
+    p.add_argument("--loss", default="full", choices=LOSSES, help="token loss: full = soft CE over the whole "
+                   "vocabulary; pruned = over the --loss-vocab ids most frequent in the training answers")
+    p.add_argument("--loss-vocab", type=int, default=32768, help="ids of --loss pruned")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps; 0: none (e.g. when "
                                                                "--out is the package's shipped head)")
     p.add_argument("--heldout", type=float, default=0.02, help="fraction of the conversations held out")
-    p.add_argument("--time-limit", type=float, help="seconds of wall time since the start (caching included) by "
-                                                    "which training ends: the schedule is fitted to it, and caching takes at most "
-                                                    f"{CACHE_SHARE:.0%} of it")
+    p.add_argument("--time-limit", type=float, help="seconds of wall time since the start (distilling and caching "
+                   "included) by which training ends: the data and the schedule are planned from measured rates")
     p.add_argument("--eval", action="store_true", help="after training, the acceptance length of the head on "
                                                        "Spec-Bench + HumanEval prompts (eagle and microspec)")
     p.add_argument("--eval-tokens", type=int, default=256, help="new tokens per --eval prompt")
+    p.add_argument("--eval-methods", default=",".join(EVAL_METHODS), help="--eval's methods")
+    p.add_argument("--eval-questions", type=int, default=1, help="--eval's questions per category")
     p.set_defaults(func=cmd_train_draft)

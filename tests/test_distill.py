@@ -1,0 +1,198 @@
+"""`microspec distill` and `train-draft --data` on the CPU with the real SmolLM2 engine and real ShareGPT prompts:
+the stored answers are the target's own (LLM.generate of the same prompts, greedy), a later turn's prompt is the
+chat template over the target's earlier answers, a second run continues the first, train-draft learns from the
+shards, and bad data directories end in one line. Also the token losses: the chunked soft CE equals the plain one
+(value and gradient, fp32 and bf16), and the pruned loss is the soft CE of both distributions renormalised over
+its ids."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trtllm_microspec import LLM
+from trtllm_microspec.cli import main
+from trtllm_microspec.data import sharegpt_conversations
+from trtllm_microspec.engine.loader import load_target
+from trtllm_microspec.models.registry import UserError
+from trtllm_microspec.train import train_draft
+from trtllm_microspec.train.distill import MANIFEST, distill, load_distilled, read_shard
+from trtllm_microspec.train.train_draft import SoftCE, loss_head, plan_rows, train
+
+TOKENS = 8  # new tokens per answer: the CPU is slow
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def convs():
+    """Real ShareGPT conversations, 200 characters a message (conversation 0 has several user turns)."""
+    return [[{**m, "content": m["content"][:200]} for m in c[:4]] for c in sharegpt_conversations(12)]
+
+
+@pytest.fixture(scope="module")
+def shards(engine_dir, convs, tmp_path_factory):
+    """Two turns of the first 3 conversations, then (a second run) the first 10: appended."""
+    out = tmp_path_factory.mktemp("distilled")
+    first = distill(engine_dir, out, turns=2, max_tokens=TOKENS, device="cpu", data=convs[:3])
+    second = distill(engine_dir, out, turns=2, max_tokens=TOKENS, device="cpu", data=convs[:10])
+    return out, first, second
+
+
+def answers(ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    """The generated runs of a stored conversation (each answer, its EOS when it had one)."""
+    runs, cur = [], []
+    for t, m in zip(ids.tolist(), mask.tolist()):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + [cur] if cur else runs
+
+
+def test_answers_are_the_targets_own(engine_dir, convs, shards):
+    out, first, second = shards
+    assert first["run"]["conversations"] == 3 and second["run"]["conversations"] == 7  # 3 done, 7 appended
+    seqs, m = load_distilled(out, engine_dir)
+    assert sorted(c for c, _, _ in seqs) == list(range(10)) and m["conversations"] == 10
+    assert m["settings"]["turns"] == 2 and m["settings"]["sampling"]["temperature"] == 0.0
+    llm = LLM(engine_dir, "ar", device="cpu", max_batch=4)
+    by = {c: (ids, mask) for c, ids, mask in seqs}
+    firsts = [c[0]["content"] for c in convs[:3]]
+    want = [r.token_ids for r in llm.generate(firsts, TOKENS, chat=True)]
+    for c in range(3):
+        ids, mask = by[c]
+        prompt = llm.prompt_ids(firsts[c], chat=True)
+        assert ids[:len(prompt)].tolist() == prompt and not mask[:len(prompt)].any()
+        assert answers(ids, mask)[0][:len(want[c])] == want[c]  # (+ the template's end-of-turn after an EOS)
+    # conversation 0's second turn: its prompt is the template over the target's own first answer
+    ids, mask = by[0]
+    a1 = answers(ids, mask)[0]
+    users = [m["content"] for m in convs[0] if m["role"] == "user"]
+    assert len(users) >= 2 and len(answers(ids, mask)) == 2
+    msgs = [{"role": "user", "content": users[0]},
+            {"role": "assistant", "content": llm.tokenizer.decode(a1)},
+            {"role": "user", "content": users[1]}]
+    prompt2 = llm.prompt_ids(msgs, chat=True)
+    assert ids[:len(prompt2)].tolist() == prompt2
+    assert answers(ids, mask)[1] == llm.generate([msgs], TOKENS, chat=True)[0].token_ids
+
+
+def test_resume_skips_what_is_done_and_refuses_other_settings(engine_dir, convs, shards):
+    out, _, _ = shards
+    again = distill(engine_dir, out, turns=2, max_tokens=TOKENS, device="cpu", data=convs[:10])
+    assert again["run"] == {"answers": 0, "answer_tokens": 0, "conversations": 0, "skipped": 0}
+    with pytest.raises(UserError, match="other settings"):
+        distill(engine_dir, out, turns=1, max_tokens=TOKENS, device="cpu", data=convs[:10])
+
+
+def test_time_limit_keeps_what_finished(engine_dir, convs, tmp_path):
+    r = distill(engine_dir, tmp_path, turns=1, max_tokens=TOKENS, device="cpu", data=convs, time_limit=1e-6)
+    assert r["stopped"] and (tmp_path / MANIFEST).exists()
+    assert json.loads((tmp_path / MANIFEST).read_text())["conversations"] == r["conversations"]
+
+
+def test_bad_data_dirs(engine_dir, shards, tmp_path):
+    out, _, _ = shards
+    with pytest.raises(UserError, match="no distilled data"):
+        load_distilled(tmp_path / "missing", engine_dir)
+    with pytest.raises(UserError, match="holds no manifest"):
+        load_distilled(tmp_path, engine_dir)
+    m = json.loads((out / MANIFEST).read_text())
+    bad = tmp_path / "other"
+    bad.mkdir()
+    (bad / MANIFEST).write_text(json.dumps({**m, "target": "sha256:0"}))
+    with pytest.raises(UserError, match="another target"):
+        load_distilled(bad, engine_dir)
+    (bad / MANIFEST).write_text(json.dumps(m))
+    (bad / m["shards"][0]["file"]).write_bytes((out / m["shards"][0]["file"]).read_bytes()[:100])  # cut short
+    with pytest.raises(UserError, match="damaged"):
+        load_distilled(bad, engine_dir)
+    (bad / MANIFEST).write_text("{")
+    with pytest.raises(UserError, match="damaged"):
+        load_distilled(bad, engine_dir)
+    assert read_shard(out / m["shards"][0]["file"])  # the original is intact
+
+
+def test_cli_bad_data_is_one_line(engine_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path / "o"), "--data",
+              str(tmp_path / "nothing"), "--device", "cpu", "--steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("microspec: error: no distilled data") and "\n" not in err
+
+
+def test_train_on_shards_lowers_the_loss(engine_dir, convs, shards, tmp_path):
+    out, _, _ = shards
+    kw = dict(max_len=128, steps=4, lr=1e-3, batch_tokens=256, seed=3, device="cpu", save_every=0, heldout=0.2)
+    r = train(engine_dir, tmp_path / "a", distilled=out, **kw)
+    assert r["data"] == "distilled" and r["heldout_positions"] > 0
+    assert r["heldout_loss"] < r["heldout_loss_start"] - 0.1
+    # mixed with ShareGPT: the same held-out conversations (the distilled ones), more training rows
+    m = train(engine_dir, tmp_path / "b", distilled=out, mix_sharegpt=True, data=convs, loss="pruned",
+              loss_vocab=2048, **kw)
+    assert m["data"] == "distilled + ShareGPT" and m["rows"] > r["rows"]
+    assert m["heldout_positions"] == r["heldout_positions"] and m["heldout_acc_start"] == r["heldout_acc_start"]
+    assert m["heldout_loss"] < m["heldout_loss_start"] - 0.1 and 0.5 < m["loss_vocab_coverage"] <= 1.0
+
+
+def plain_soft_ce(h, w, want):
+    return -(F.linear(want, w).float().softmax(-1) * F.linear(h, w).float().log_softmax(-1)).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_soft_ce_equals_the_plain_one(dtype, monkeypatch):
+    monkeypatch.setattr(train_draft, "CE_CHUNK", 3 * 500)  # 3 rows a chunk: 7 rows make 3 chunks
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(500, 32, generator=g) * 0.3).to(dtype)
+    h0, want = torch.randn(7, 32, generator=g).to(dtype), torch.randn(7, 32, generator=g).to(dtype)
+    h = h0.clone().requires_grad_(True)
+    loss, correct = SoftCE.apply(h, w, want)
+    (2 * loss).backward()
+    ref_h = h0.clone().requires_grad_(True)
+    ref = plain_soft_ce(ref_h, w, want)
+    (2 * ref).backward()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(loss, ref, **tol)
+    torch.testing.assert_close(h.grad.float(), ref_h.grad.float(), **tol)
+    assert int(correct) == int((F.linear(h0, w).argmax(-1) == F.linear(want, w).argmax(-1)).sum())
+
+
+def test_pruned_loss_is_the_soft_ce_over_its_ids(engine_dir):
+    target, _ = load_target(engine_dir, CPU, torch.float32)
+    V = target.head_weight.shape[0]
+    eos = target.cfg.eos_ids[0]
+    seqs = [(np.array([5, 7, 7, 9, 7, eos]), np.array([0, 1, 1, 1, 1, 0], bool)),
+            (np.array([9, 11, 11]), np.array([0, 1, 1], bool))]  # assistant ids: 7 x3, 11 x2, 9 x1
+    assert loss_head(target, seqs, "full", 3) == (None, 1.0)
+    w, share = loss_head(target, seqs, "pruned", 3)  # EOS, then the two most frequent: 7 and 11
+    ids = sorted([eos, 7, 11])
+    assert torch.equal(w, target.head_weight[ids]) and share == pytest.approx(5 / 6)
+    g = torch.Generator().manual_seed(1)
+    h, want = torch.randn(4, w.shape[1], generator=g), torch.randn(4, w.shape[1], generator=g)
+    full_q = F.linear(h, target.head_weight)[:, ids].log_softmax(-1)  # renormalised over the ids
+    full_p = F.linear(want, target.head_weight)[:, ids].softmax(-1)
+    torch.testing.assert_close(SoftCE.apply(h, w, want)[0], -(full_p * full_q).sum(), atol=1e-4, rtol=1e-4)
+    assert loss_head(target, seqs, "pruned", V)[0] is None  # the whole vocabulary: the full loss
+
+
+def test_plan_rows():
+    rows = [100] * 10
+    # 1000 tokens: 1000/100 (cache) + 3 x 1000/300 (train) = 20 s: all rows fit in 20 s, 5 of them in 10 s
+    assert plan_rows(rows, 20.0, 100.0, 300.0, 3) == 10
+    assert plan_rows(rows, 10.0, 100.0, 300.0, 3) == 5
+    assert plan_rows(rows, 0.0, 100.0, 300.0, 3) == 1  # always a row
+
+
+def test_one_command_distills_then_trains(engine_dir, tmp_path, capsys):
+    """train-draft --distill-time: distil into <out>/distilled, then train on it, one JSON record for both."""
+    main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--distill-time", "600",
+          "--conversations", "4", "--distill-turns", "1", "--distill-max-tokens", "4", "--distill-max-prompt", "200",
+          "--max-len", "256", "--steps", "1", "--batch-tokens", "256", "--heldout", "0.25", "--device", "cpu",
+          "--save-every", "0"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["distill"]["run"]["conversations"] + r["distill"]["run"]["skipped"] == 4
+    assert r["data"] == "distilled" and r["steps"] == 1 and (tmp_path / "distilled" / MANIFEST).exists()
