@@ -133,8 +133,10 @@ def die_with(parent: int):
     """A preexec_fn: the child gets SIGKILL when `parent` (the thread that started it) dies, even by SIGKILL,
     so that no tritonserver or follower outlives `microspec serve`. The parent may die between fork and prctl:
     then the child is already an orphan and exits at once."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+
     def preexec() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(1)
     return preexec
@@ -382,9 +384,12 @@ class Supervisor:
     them either). So the server is killed at once: its probes stop answering (not ready), and every connection, with
     each request in flight or queued on it, ends with an error (gRPC UNAVAILABLE). Then, on_failure "restart": the
     server starts again on the same ports and serves once the model is loaded; "exit": serve exits with an error
-    (for supervisors that restart the whole process). tritonserver itself dying ends serve with an error."""
+    (for supervisors that restart the whole process). tritonserver itself crashing (a signal such as SIGSEGV: its
+    HTTP generate endpoint segfaults on a body over ~4 MB, triton-inference-server/server#5840) is handled the same
+    way; tritonserver exiting otherwise ends serve with an error."""
 
     POLL_S = 0.2
+    CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL}
 
     def __init__(self, server: TritonServer, on_failure: str = "restart", ready_timeout: float = 600,
                  checks: tuple = ()):
@@ -403,21 +408,25 @@ class Supervisor:
         """Until Ctrl-C / SIGTERM (KeyboardInterrupt) or a failure that ends serve (UserError)."""
         while True:
             if (rc := self.server.proc.poll()) is not None:
-                raise UserError(f"tritonserver exited with code {rc}: {self.server.log_errors()}")
+                if -rc not in self.CRASHES:
+                    raise UserError(f"tritonserver exited with code {rc}: {self.server.log_errors()}")
+                stubs = self.failed(f"tritonserver (pid {self.server.proc.pid}) crashed with "
+                                    f"{signal.Signals(-rc).name}")
             for check in self.checks:
                 check()
             dead = [pid for pid in stubs if not running(pid)]
             if dead:
-                stubs = self.model_died(dead[0])
+                stubs = self.failed(f"the model's process (pid {dead[0]}) died")
             time.sleep(self.POLL_S)
 
-    def model_died(self, pid: int) -> list[int]:
+    def failed(self, what: str) -> list[int]:
+        """Ends what is left of the server (it is not ready then), then restarts it or ends serve."""
         t0 = time.monotonic()
         self.server.kill()
-        log(f"the model's process (pid {pid}) died; tritonserver stopped, so it is not ready and every request "
-            f"in flight or queued ended with an error")
+        log(f"{what}; tritonserver stopped, so it is not ready and every request in flight or queued ended with "
+            f"an error")
         if self.on_failure == "exit":
-            raise UserError(f"the model's process (pid {pid}) died (--on-model-failure exit)")
+            raise UserError(f"{what} (--on-model-failure exit)")
         self.restarts += 1
         log(f"restarting tritonserver (restart {self.restarts})")
         self.server.check_ports()
