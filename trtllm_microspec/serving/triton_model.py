@@ -41,7 +41,8 @@ NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "static_k": int, "depth": i
            "tp_timeout": float, "tp_port": int}
 # the batch's state on Triton's metrics port (gauges per model instance)
 METRICS = {"microspec_running_requests": "requests decoding now (the batch, and the single-request path's one in turn)",
-           "microspec_waiting_requests": "requests accepted and waiting for a place in the batch or their turn",
+           "microspec_waiting_requests": "requests accepted and waiting for KV blocks or their turn (those in "
+                                         "Triton's queue: nv_inference_pending_request_count)",
            "microspec_kv_blocks_used": "KV-cache blocks held by the batch's requests",
            "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)"}
 
@@ -340,10 +341,10 @@ class TritonPythonModel:
         elif job.steps is not None:
             job.steps.close()
             self.singles.remove(job)
-        _send(job.sender, response, final=True)
-        with self.cond:
+        with self.cond:  # first: execute then takes Triton's next request before this client can send another
             self.load -= 1
             self.cond.notify_all()
+        _send(job.sender, response, final=True)
 
     def _report(self) -> None:
         s, n = self.sched, len(self.singles)
