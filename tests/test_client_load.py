@@ -1,5 +1,6 @@
 """`microspec client` load mode's report on fixed results (no server: the serving tests need the serve extra, and
-none of them runs a load): throughput, TTFT, inter-token latency from the streamed pieces' arrival times; the class of a failed request's message."""
+none of them runs a load): throughput, TTFT, inter-token latency from the streamed pieces' arrival times; the
+class of a failed request's message."""
 from __future__ import annotations
 
 import pytest
