@@ -49,3 +49,16 @@ echo "== load: $REQUESTS requests, concurrency $CONCURRENCY, $MAX_TOKENS tokens 
 "${MS[@]}" client --url 127.0.0.1:$PORT --chat --max-tokens "$MAX_TOKENS" --concurrency "$CONCURRENCY" --requests "$REQUESTS" \
   --prompt "Write a short poem about the ocean." --prompt "What is the capital of Australia? Answer briefly." \
   --prompt "Explain how a hash map works." --prompt "Give three tips for learning to play the guitar."
+echo "== fault: the model's process killed under load (serve fails the requests in flight, restarts tritonserver)"
+"${MS[@]}" client --url 127.0.0.1:$PORT --chat --max-tokens "$MAX_TOKENS" --concurrency "$CONCURRENCY" \
+  --requests "$CONCURRENCY" --prompt "Explain how a hash map works." >/tmp/microspec-fault-load.out 2>&1 &
+LOAD=$!
+sleep 2
+STUB=$(pgrep -f "triton_python_backend_stub .* microspec_${SERVE}_" | head -n 1)
+T0=$(date +%s.%N)
+kill -9 "$STUB"
+wait $LOAD || true  # its requests end with an error, at once
+echo "load ended $(python3 -c "import time; print(f'{time.time() - $T0:.1f}')") s after the kill: $(tail -n 1 /tmp/microspec-fault-load.out)"
+for _ in $(seq 300); do grep -q "ready again" "$LOG" && break; kill -0 $SERVE; sleep 1; done
+grep "microspec serve:" "$LOG"
+"${MS[@]}" client --url 127.0.0.1:$PORT --chat --max-tokens 32 --prompt "Say hello."

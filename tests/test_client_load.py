@@ -1,5 +1,6 @@
 """`microspec client` load mode's report on fixed results (no server: the serving tests need the serve extra, and
-none of them runs a load): throughput, TTFT, inter-token latency from the streamed pieces' arrival times."""
+none of them runs a load): throughput, TTFT, inter-token latency from the streamed pieces' arrival times; the
+class of a failed request's message."""
 from __future__ import annotations
 
 import pytest
@@ -39,3 +40,17 @@ def test_load_lines(monkeypatch, capsys):
         "  time to first token: p50 200.0 ms p90 280.0 ms p99 298.0 ms",
         "  request latency:     p50 1110.0 ms p90 1110.0 ms p99 1110.0 ms",
         "  inter-token latency: p50 150.0 ms p90 190.0 ms p99 199.0 ms"]
+
+
+@pytest.mark.parametrize("message, code", [
+    ("[request id: <id_unknown>] Exceeds maximum queue size", "UNAVAILABLE"),  # Triton's queue is full: retry
+    ("the server is shutting down", "UNAVAILABLE"),
+    ("the request was cancelled", "CANCELLED"),
+    ("generation failed: RuntimeError: CUDA error", "INTERNAL"),
+    ("internal error reading the request: ValueError: x", "INTERNAL"),
+    ("max_tokens must be between 1 and 256 (this engine's maximum sequence length), got 0", "INVALID_ARGUMENT"),
+])
+def test_error_classes(message, code):
+    """Triton's gRPC stream carries a failed response's message only: the client reads its class from it."""
+    assert client.error_code(message) == code and client.RequestError(message).code == code
+    assert client.RequestError("Stream removed (Socket closed)", "UNAVAILABLE").code == "UNAVAILABLE"

@@ -193,7 +193,6 @@ def test_stop_words_and_end_id(server, offline):
 @pytest.mark.parametrize("param, value, message", [
     ("w_max", "0", "w_max must be between 8 and 49152"),
     ("depth", "two", "config.pbtxt parameter depth must be an integer, got 'two'"),
-    ("max_queue_size", "0", "max_queue_size must be at least 1, got 0"),
     ("max_batch", "0", "max_batch must be at least 1, got 0"),
     ("kv_memory", "lots", "config.pbtxt parameter kv_memory must be a number, got 'lots'"),
 ])

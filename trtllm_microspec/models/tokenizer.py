@@ -27,6 +27,12 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.fast.decode(ids, skip_special_tokens=True)
 
+    def max_token_bytes(self) -> int:
+        """The longest token's spelling in the vocabulary, in UTF-8 bytes: an upper bound on the bytes of text one
+        token stands for (byte-level BPE spells each byte as one character, SentencePiece a space as 3 bytes), so a
+        text of N tokens is at most N times this many bytes."""
+        return max(len(t.encode()) for t in self.fast.get_vocab(with_added_tokens=True))
+
     def apply_chat(self, messages: list[dict]) -> str:
         if self.chat_template is None:
             raise UserError("this engine's model has no chat template; drop --chat")

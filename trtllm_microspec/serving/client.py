@@ -26,8 +26,31 @@ SAMPLING_INPUTS = {"temperature": (np.float32, "FP32"), "top_p": (np.float32, "F
                    "random_seed": (np.uint64, "UINT64")}
 
 
+# Triton's gRPC stream carries a failed response's message only (no status code), so its class is read from the
+# message: what the server says when it cannot take a request now (retry later), or when our own code failed
+UNAVAILABLE_MESSAGES = ("Exceeds maximum queue size", "the server is shutting down")
+INTERNAL_MESSAGES = ("generation failed", "internal error")
+
+
+def error_code(message: str) -> str:
+    """The class of a failed request's message: UNAVAILABLE (overload, shutdown: retry), CANCELLED, INTERNAL (the
+    server's fault) or INVALID_ARGUMENT (the request's)."""
+    if any(m in message for m in UNAVAILABLE_MESSAGES):
+        return "UNAVAILABLE"
+    if message.startswith("the request was cancelled"):
+        return "CANCELLED"
+    if message.startswith(INTERNAL_MESSAGES):
+        return "INTERNAL"
+    return "INVALID_ARGUMENT"
+
+
 class RequestError(UserError):
-    """The server refused or failed a request (the message is the server's), or the stream broke."""
+    """The server refused or failed a request (the message is the server's), or the stream broke. `code`: the gRPC
+    status name of its class (error_code; a broken connection: its own status, e.g. UNAVAILABLE)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code or error_code(message)
 
 
 @dataclass
@@ -74,18 +97,25 @@ def stream_infer(url: str, inputs: list, model: str = MODEL_NAME,
     """Yields each response's outputs (name -> array) over one gRPC stream; raises RequestError on an error
     response or when no response comes for `timeout` seconds. Closing the generator early cancels the request."""
     grpcclient = _grpc()
+    from tritonclient.utils import InferenceServerException
+
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=lambda result=None, error=None: responses.put((result, error)))
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        try:
+            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        except InferenceServerException:  # the stream broke before the request went out (no server there)
+            pass  # its callback has the reason, read below
         while True:
             try:
                 result, error = responses.get(timeout=timeout)
             except queue.Empty:
-                raise RequestError(f"no response from {url} for {timeout:.0f} s") from None
-            if error is not None:
-                raise RequestError(error.message() if hasattr(error, "message") else str(error))
+                raise RequestError(f"no response from {url} for {timeout:.0f} s", "DEADLINE_EXCEEDED") from None
+            if error is not None:  # a failed response, or the stream itself broke (then with a gRPC status)
+                status = error.status() if hasattr(error, "status") else None
+                raise RequestError(error.message() if hasattr(error, "message") else str(error),
+                                   status.rsplit(".", 1)[-1] if status else None)
             outputs = {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
             if outputs:
                 yield outputs

@@ -31,17 +31,18 @@ from ..llm import BATCHED, LLM
 from ..models.registry import UserError
 from ..spec.sampling import SamplingParams
 from . import tp as tp_serving
-from .server import STOP_FILE_ENV, check_queue_size
+from .server import STOP_FILE_ENV
 
 # SamplingParams field -> the optional request input that sets it (TensorRT-LLM's names); none given: greedy
 SAMPLING_INPUTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "random_seed"}
 # config.pbtxt parameters that are numbers (the rest are strings); left out or empty: the LLM's default
 NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "static_k": int, "depth": int, "top_k": int,
            "total_tokens": int, "max_seq_len": int, "max_batch": int, "kv_memory": float, "tp": int,
-           "tp_timeout": float, "max_queue_size": int, "tp_port": int}
+           "tp_timeout": float, "tp_port": int}
 # the batch's state on Triton's metrics port (gauges per model instance)
 METRICS = {"microspec_running_requests": "requests decoding now (the batch, and the single-request path's one in turn)",
-           "microspec_waiting_requests": "requests accepted and waiting for a place in the batch or their turn",
+           "microspec_waiting_requests": "requests accepted and waiting for KV blocks or their turn (those in "
+                                         "Triton's queue: nv_inference_pending_request_count)",
            "microspec_kv_blocks_used": "KV-cache blocks held by the batch's requests",
            "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)"}
 
@@ -61,10 +62,13 @@ class Job:
     text: str = ""  # the output so far (cut at a stop word or end_id); streamed: what was sent
 
 
-def _input(request, name: str):
-    """The single value of an optional input, or None when the request left it out."""
+def _input(request, name: str, required: bool = False):
+    """An input's values (flat), or None when the request left an optional one out. Triton checks dtypes and shapes
+    against config.pbtxt, but lets a request through that lacks a required input while it has optional ones."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
+        if required:
+            raise UserError(f"the request has no {name} (a required input)")
         return None
     return t.as_numpy().reshape(-1)
 
@@ -142,9 +146,7 @@ class TritonPythonModel:
         device = p.get("device") or None
         if args["model_instance_kind"] == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
-        knobs = _numbers(p)
-        self.max_queue_size = knobs.pop("max_queue_size", 64)
-        check_queue_size(self.max_queue_size)  # LLM checks the others
+        knobs = _numbers(p)  # LLM checks their ranges
         tp_port = knobs.pop("tp_port", None)
         kwargs = dict(engine=p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
                       device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false",
@@ -166,6 +168,10 @@ class TritonPythonModel:
         # token took 0.79 s without this); a sampled request's graphs are captured when it first comes
         self.llm.generate(["Hello"] if self.sched else "Hello", 16)
         self.capacity = self.llm.max_batch if self.sched else 1  # requests the engine runs at once
+        # a prompt of at most max_prompt tokens is at most this many bytes: a longer text_input is refused before it
+        # is decoded or tokenised (a 5 MB body otherwise held execute, and every request behind it, for seconds)
+        self.max_prompt_bytes = self.llm.executor.max_prompt * self.llm.tokenizer.max_token_bytes()
+        self.vocab_size = self.llm.target.cfg.vocab_size
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # execute -> the engine loop
         self.load = 0  # requests accepted and not ended yet
         self.cond = threading.Condition()  # guards `load`; notified when a request ends
@@ -175,13 +181,10 @@ class TritonPythonModel:
         # this file: running and queued requests then end at once with an error instead of holding the server up
         self.stop_file = os.environ.get(STOP_FILE_ENV)
         self.stopping = False
-        # several instances (serve --gpus 0,1): Triton gives a request to any instance whose `execute` is free, and
-        # ours returns at once, so a full instance would keep taking requests while another idles. With several,
-        # `execute` returns only while its instance has room for one more running request (max_batch; one on the
-        # single-request path), so a full instance holds Triton's next request back and Triton's queue feeds the
-        # others. Below that Triton may give one instance more than its share, which its batch absorbs.
-        groups = config.get("instance_group", [])
-        self.balance = sum(g.get("count", 1) * max(len(g.get("gpus") or []), 1) for g in groups) > 1
+        # `execute` returns only while this instance's engine has room for one more running request (max_batch; one
+        # on the single-request path): a full engine holds Triton's next request back, in Triton's queue, which
+        # refuses requests beyond its max_queue_size as UNAVAILABLE (HTTP 503, retryable) and, with several
+        # instances (serve --gpus 0,1), hands each request to an engine with room rather than to a full one.
         self.gauges = Gauges({"model": args["model_name"], "instance": args["model_instance_name"]})
         self._report()
         self.loop = threading.Thread(target=self._loop, name="microspec-engine", daemon=True)
@@ -195,16 +198,18 @@ class TritonPythonModel:
             except UserError as e:
                 _send(sender, _error(str(e)), final=True)
                 continue
+            except Exception as e:  # our own fault: the class and the message, no traceback or server paths
+                _send(sender, _error(f"internal error reading the request: {type(e).__name__}: {one_line(e)}",
+                                     "INTERNAL"), final=True)
+                continue
             if self._stopping():
                 _send(sender, _shutdown(), final=True)
-            elif not self._admit():
-                _send(sender, _error(f"the server is busy: {self.max_queue_size} requests are already queued",
-                                     "UNAVAILABLE"), final=True)
-            else:
-                self.inbox.put(job)
-                if self.balance:
-                    with self.cond:
-                        self.cond.wait_for(lambda: self.load < self.capacity)
+                continue
+            with self.cond:
+                self.load += 1
+            self.inbox.put(job)
+            with self.cond:
+                self.cond.wait_for(lambda: self.load < self.capacity or self._stopping())
 
     def finalize(self) -> None:
         self.stopping = True
@@ -217,24 +222,20 @@ class TritonPythonModel:
     def _stopping(self) -> bool:
         return self.stopping or bool(self.stop_file and os.path.exists(self.stop_file))
 
-    def _admit(self) -> bool:
-        """Count a request in, unless the engine's places and the queue behind them are all taken."""
-        with self.cond:
-            if self.load >= self.capacity + self.max_queue_size:
-                return False
-            self.load += 1
-            return True
-
     def _parse(self, request, sender) -> Job:
-        # Triton itself rejects a missing text_input or max_tokens and wrong dtypes or shapes (config.pbtxt)
-        prompt = _decode(_input(request, "text_input")[0], "text_input")
+        text, max_tokens = _input(request, "text_input", True)[0], int(_input(request, "max_tokens", True)[0])
+        if len(text) > self.max_prompt_bytes:
+            raise UserError(f"text_input is {len(text)} bytes: this engine holds at most {self.llm.executor.max_prompt}"
+                            f" prompt tokens, at most {self.max_prompt_bytes} bytes")
+        prompt = _decode(text, "text_input")
         if not prompt:
             raise UserError("text_input is empty")
-        max_tokens = int(_input(request, "max_tokens")[0])
         if not 0 < max_tokens <= self.llm.max_seq_len:
             raise UserError(f"max_tokens must be between 1 and {self.llm.max_seq_len} (this engine's maximum "
                             f"sequence length), got {max_tokens}")
         stream, chat, end_id, stop = (_input(request, n) for n in ("stream", "chat", "end_id", "stop_words"))
+        if end_id is not None and not 0 <= int(end_id[0]) < self.vocab_size:
+            raise UserError(f"end_id must be a token id between 0 and {self.vocab_size - 1}, got {int(end_id[0])}")
         ids = self.llm.prompt_ids(prompt, bool(chat[0]) if chat is not None else False)
         self.llm.executor.check(ids, max_tokens)  # UserError for a prompt too long for the engine
         given = {k: _input(request, name) for k, name in SAMPLING_INPUTS.items()}
@@ -345,10 +346,10 @@ class TritonPythonModel:
         elif job.steps is not None:
             job.steps.close()
             self.singles.remove(job)
-        _send(job.sender, response, final=True)
-        with self.cond:
+        with self.cond:  # first: execute then takes Triton's next request before this client can send another
             self.load -= 1
             self.cond.notify_all()
+        _send(job.sender, response, final=True)
 
     def _report(self) -> None:
         s, n = self.sched, len(self.singles)
