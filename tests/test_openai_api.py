@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,11 +35,14 @@ import torch  # noqa: E402
 from trtllm_microspec.llm import LLM  # noqa: E402
 from trtllm_microspec.models.tokenizer import Tokenizer  # noqa: E402
 from trtllm_microspec.serving.openai_api import OpenAIFront  # noqa: E402
+from trtllm_microspec.serving.server import running, stub_pids  # noqa: E402
 
 from test_serving import SMALL_TREE, free_ports  # noqa: E402
 
 MAX_SEQ_LEN = 512
-MAX_BATCH, MAX_QUEUE = 2, 1  # small, so that a full queue is cheap to reach: the 4th request at once is refused
+# small, so that a full queue is cheap to reach (the 5th long request is refused); not 1: Triton's queue counts the
+# requests it has not yet handed to the model, so of two arriving together one would be refused with room to spare
+MAX_BATCH, MAX_QUEUE = 2, 2
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
             {"role": "user", "content": "Name three colours."}]
@@ -45,12 +52,28 @@ LONG_PROMPT, LONG = "1, 2, 3, 4, 5, 6, 7, 8,", 300  # counting on: a request tha
 
 
 class Served:
-    def __init__(self, proc, host, openai_port, grpc_port, metrics_port):
-        self.proc, self.host, self.metrics_port = proc, host, metrics_port
+    def __init__(self, proc, host, openai_port, grpc_port, metrics_port, err: Path):
+        self.proc, self.host, self.metrics_port, self.err = proc, host, metrics_port, err
         self.grpc_url = f"{host}:{grpc_port}"
         self.port = openai_port
         self.url = f"http://{host}:{openai_port}/v1"
         self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=300)
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def triton(self) -> int:
+        """serve's tritonserver (the one restarted after a failure)."""
+        (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == self.proc.pid
+                  and (p / "cmdline").read_bytes().split(b"\0", 1)[0].endswith(b"tritonserver")]
+        return pid
+
+
+def _ppid(p: Path) -> int | None:
+    try:
+        return int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +84,30 @@ def served(engine_dir, random_draft_dir):
            str(random_draft_dir), "--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), *SMALL_TREE,
            "--max-batch", str(MAX_BATCH), "--max-queue-size", str(MAX_QUEUE), "--http-port", str(http_port),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    err = tempfile.NamedTemporaryFile("w+", prefix="serve-stderr-", suffix=".txt")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         lines = [proc.stdout.readline() for _ in range(6)]
-        assert "ready" in lines[0], lines
+        assert "ready" in lines[0], (lines, Path(err.name).read_text())
         assert f"OpenAI   http://127.0.0.1:{port}/v1" in "".join(lines)
-        yield Served(proc, "127.0.0.1", port, grpc, metrics)
+        served = Served(proc, "127.0.0.1", port, grpc, metrics, Path(err.name))
+        yield served
+        # SIGTERM: the shutdown said once, exit 0, then tritonserver, its stub and the front's port are all gone
+        triton = served.triton()
+        stubs = stub_pids(triton)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        tail = served.stderr().splitlines()
+        assert tail.count("microspec serve: SIGTERM, shutting down") == 1 and tail[-1] == "microspec serve: stopped"
+        assert not running(triton) and not any(running(s) for s in stubs)
+        with socket.socket() as probe:  # the front closed its socket (a listener fails this, TIME_WAIT not)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        err.close()
 
 
 class Offline:
@@ -102,7 +137,8 @@ def gauges(served) -> dict[str, float]:
     conn.request("GET", "/metrics")
     lines = conn.getresponse().read().decode().splitlines()
     conn.close()
-    return {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("microspec_")}
+    return {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines
+            if ln.startswith(("microspec_", "nv_inference_pending_request_count"))}
 
 
 def idle_after(served, timeout: float) -> float:
@@ -249,14 +285,16 @@ def per_token_s(offline) -> float:
 
 
 def test_queue_full_is_429_and_abandoned_streams_free_their_blocks(served, offline):
-    """MAX_BATCH running + MAX_QUEUE waiting: the next request is refused with 429 (streamed or not). Streams the
-    client closes are cancelled: their blocks go back long before they could have finished."""
+    """MAX_BATCH running + MAX_QUEUE waiting in Triton's queue: the next request is refused by Triton's queue, which
+    the front answers with 429 (streamed or not). Streams the client closes are cancelled: their blocks go back long
+    before they could have finished."""
     held = [long_stream(served) for _ in range(MAX_BATCH)]
-    queued = []  # the queued one's headers come with its first piece, once it runs: wait for it on a thread
-    waiter = threading.Thread(target=lambda: queued.append(long_stream(served)))
-    waiter.start()
+    queued = []  # a queued one's headers come with its first piece, once it runs: wait for them on threads
+    waiters = [threading.Thread(target=lambda: queued.append(long_stream(served))) for _ in range(MAX_QUEUE)]
+    for w in waiters:
+        w.start()
     deadline = time.monotonic() + 60
-    while (g := gauges(served))["microspec_waiting_requests"] < MAX_QUEUE:
+    while (g := gauges(served))["nv_inference_pending_request_count"] < MAX_QUEUE:  # in Triton's queue
         assert time.monotonic() < deadline, g
         time.sleep(0.05)
     assert g["microspec_running_requests"] == MAX_BATCH and g["microspec_kv_blocks_used"] > 0
@@ -264,11 +302,14 @@ def test_queue_full_is_429_and_abandoned_streams_free_their_blocks(served, offli
         with pytest.raises(openai.RateLimitError) as e:
             r = served.client.completions.create(model="microspec", prompt="Hi", max_tokens=4, stream=stream)
             list(r) if stream else None
-        assert e.value.body["code"] == "queue_full" and e.value.body["message"].startswith("the server is busy")
+        assert e.value.body["code"] == "queue_full" and "Exceeds maximum queue size" in e.value.body["message"]
     for s in held:
-        s.close()  # the HTTP connection drops: the queued request gets its place
-    waiter.join(timeout=60)
-    queued[0].close()
+        s.close()  # the HTTP connection drops: the queued requests get their places
+    for w in waiters:
+        w.join(timeout=60)
+    assert len(queued) == MAX_QUEUE
+    for s in queued:
+        s.close()
     assert idle_after(served, 60) < LONG / 4 * per_token_s(offline)
 
 
@@ -380,3 +421,32 @@ def test_load_and_bench_over_openai(served, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["client", "--url", served.url, "--prompt", "Hi", "--end-id", "3"])
     assert e.value.code == 2 and "end_id is not part of the OpenAI API" in capsys.readouterr().err
+
+
+def test_model_process_killed_front_answers_503_then_serves_again(served, offline):
+    """Last (it restarts the module's server): the model's process dies; serve restarts tritonserver on the same gRPC
+    port, and the front, meanwhile answering 503, serves correctly again within seconds of Triton being ready."""
+    (stub,) = stub_pids(served.triton())
+    os.kill(stub, signal.SIGKILL)
+    killed, failures = time.monotonic(), []
+    while True:
+        try:
+            r = served.client.completions.create(model="microspec", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                 temperature=0)
+            break
+        except openai.APIStatusError as e:
+            failures.append((e.status_code, e.body["code"]))
+            assert time.monotonic() - killed < 180, served.stderr()
+            time.sleep(0.2)
+    answered = time.monotonic()
+    assert r.choices[0].text == offline.generate(PROMPT, MAX_TOKENS).text
+    assert failures and set(failures) == {(503, "unavailable")}, failures
+    # serve polls readiness (and logs "ready again") after the front may already have been answered
+    deadline = time.monotonic() + 10
+    while "ready again in" not in (err := served.stderr()):
+        assert time.monotonic() < deadline, err
+        time.sleep(0.1)
+    assert f"the model's process (pid {stub}) died" in err
+    # answered within seconds of Triton being ready again, not after gRPC's reconnect backoff (tens of seconds)
+    ready_at = killed + float(err.split("ready again in ")[1].split()[0])
+    assert answered - ready_at < 3, (answered - killed, err)

@@ -28,7 +28,8 @@ SAMPLING_INPUTS = {"temperature": (np.float32, "FP32"), "top_p": (np.float32, "F
 
 # Triton's gRPC stream carries a failed response's message only (no status code), so its class is read from the
 # message: what the server says when it cannot take a request now (retry later), or when our own code failed
-UNAVAILABLE_MESSAGES = ("Exceeds maximum queue size", "the server is shutting down")
+QUEUE_FULL = "Exceeds maximum queue size"  # Triton's own refusal once the model's queue (--max-queue-size) is full
+UNAVAILABLE_MESSAGES = (QUEUE_FULL, "the server is shutting down")
 INTERNAL_MESSAGES = ("generation failed", "internal error")
 
 

@@ -7,8 +7,9 @@ queue limit, its validation and its metrics. The front only translates: it rende
 own Tokenizer (the same `apply_chat` the model uses for `chat`), so the model sees plain text; stop sequences go to
 the model's `stop_words` (it ends the request there and frees its blocks); a client that goes away cancels the gRPC
 call, which the model sees at its next step. Errors carry OpenAI's body, {"error": {message, type, param, code}}:
-400 a bad body or parameter (the model's own checks included), 404 an unknown model or route, 429 the model's queue
-is full, 503 Triton is shutting down or unreachable, 500 a fault of ours.
+400 a bad body or parameter (the model's own checks included), 404 an unknown model or route, 429 Triton's queue
+is full (--max-queue-size), 503 Triton is shutting down, restarting or unreachable, 500 a fault of the model or ours.
+The gRPC channel reconnects within a second of Triton coming back (a restart after the model's process died).
 """
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at run time
 import asyncio
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from ..models.registry import UserError
-from .client import MODEL_NAME, make_inputs
+from .client import MODEL_NAME, QUEUE_FULL, error_code, make_inputs
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # OpenAI's default for completions; chat has none in OpenAI
 # fields of OpenAI's API this server does not serve, and the values that ask for nothing (any other is refused)
@@ -45,13 +46,15 @@ class APIError(Exception):
 
 
 def model_error(message: str, fields: set[str]) -> APIError:
-    """The Triton model's error message -> its OpenAI status (the model's messages are one line each; see
-    triton_model.py). A parameter the model refused is named by the message's first word."""
-    if message.startswith("the server is busy"):
+    """A failed response's message -> its OpenAI status, by the class `microspec client` reads from it
+    (client.error_code): Triton's own queue refusal is 429 (retry later), the rest of UNAVAILABLE (shutting down)
+    503, INTERNAL 500, the others 400. A parameter the model refused is named by the message's first word."""
+    code = error_code(message)
+    if QUEUE_FULL in message:
         return APIError(429, message, "rate_limit_error", code="queue_full")
-    if message.startswith("the server is shutting down") or "unknown model" in message or "not ready" in message:
+    if code == "UNAVAILABLE" or "unknown model" in message or "not ready" in message:
         return APIError(503, message, "server_error", code="unavailable")
-    if message.startswith("generation failed"):
+    if code == "INTERNAL":
         return APIError(500, message, "server_error", code="internal_error")
     word = message.split(" ", 1)[0]
     return APIError(400, message, param=word if word in fields else None, code="invalid_value")
@@ -123,7 +126,13 @@ class Front:
         async def lifespan(_):
             import tritonclient.grpc.aio as aio
 
-            self.triton = aio.InferenceServerClient(self.grpc_url)
+            # gRPC's reconnect backoff grows to 2 minutes while Triton is down (a supervisor restart takes a model
+            # load): capped at 1 s, the front serves again within a second of Triton, and fails fast (503) until
+            # then; the other options are tritonclient's defaults, which channel_args replaces
+            self.triton = aio.InferenceServerClient(self.grpc_url, channel_args=[
+                ("grpc.max_send_message_length", aio.MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.max_receive_message_length", aio.MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
             yield
             await self.triton.close()
 

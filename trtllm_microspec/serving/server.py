@@ -235,7 +235,8 @@ class TritonServer:
         backend.mkdir(parents=True, exist_ok=True)  # a restart reuses it
         stub = server / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}"
         for f in (server / "backends" / "python" / "libtriton_python.so",
-                  server / "backends" / "python" / "triton_python_backend_utils.py", stub / "triton_python_backend_stub"):
+                  server / "backends" / "python" / "triton_python_backend_utils.py",
+                  stub / "triton_python_backend_stub"):
             if not (backend / f.name).exists():  # a restart finds them there (a dying stub may still hold its file)
                 shutil.copy(f, backend)
         env = dict(os.environ)
@@ -384,10 +385,15 @@ def openai_front(host: str, port: int | None):
     return OpenAIFront(host, port)
 
 
+_signals: list[str] = []  # the shutdown signals received so far
+
+
 def _shutting_down(signum, _frame) -> None:
-    """SIGTERM and Ctrl-C unwind alike: the server and its stubs are stopped on the way out (the `with` blocks);
-    a second one during that stop forces it (TritonServer.stop)."""
-    print(f"microspec serve: {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
+    """SIGTERM and Ctrl-C unwind alike: the server, the followers and the OpenAI front are stopped on the way out
+    (the `with` blocks, in that order); a second one during that stop forces it (TritonServer.stop)."""
+    name = signal.Signals(signum).name
+    log(f"{name}, shutting down" if not _signals else f"{name} again, stopping at once")
+    _signals.append(name)
     raise KeyboardInterrupt
 
 
