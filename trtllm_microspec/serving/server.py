@@ -77,7 +77,8 @@ def model_params(a: argparse.Namespace) -> dict[str, str]:
             "device": a.device or "", "w_max": str(a.w_max), "k_pre": str(a.k_pre), "k_ver": str(a.k_ver),
             "static_k": str(a.static_k), "depth": str(a.depth), "top_k": str(a.top_k),
             "total_tokens": str(a.total_tokens), "max_seq_len": str(a.max_seq_len or ""), "dtype": a.dtype or "",
-            "cuda_graphs": str(not a.eager).lower(), "max_batch": str(a.max_batch),
+            "cuda_graphs": str(not a.eager).lower(), "max_batch": "" if a.max_batch is None else str(a.max_batch),
+            "max_num_tokens": "" if a.max_num_tokens is None else str(a.max_num_tokens),
             "kv_memory": "" if a.kv_memory is None else str(a.kv_memory), "max_queue_size": str(a.max_queue_size),
             "tp": str(a.tp), "tp_timeout": str(a.tp_timeout)}
 
@@ -304,7 +305,8 @@ def cmd_serve(a: argparse.Namespace) -> None:
             a.engine = resolve_engine(a.engine).resolve()  # builds a model key's engine here, not in the stub
             # bad knobs fail here in one line, not later as a model that will not load inside the server
             check_knobs(read_config(a.engine).vocab_size, a.w_max, a.k_pre, a.k_ver, a.static_k, a.depth, a.top_k,
-                        a.total_tokens, a.max_seq_len, a.tp, a.tp_timeout, a.max_batch, a.kv_memory)
+                        a.total_tokens, a.max_seq_len, a.tp, a.tp_timeout, a.max_batch, a.kv_memory,
+                        a.max_num_tokens)
             check_queue_size(a.max_queue_size)
             draft = Path(a.draft) if a.draft else a.engine / DRAFT_SUBDIR
             if a.method != "ar" and not draft.exists():
