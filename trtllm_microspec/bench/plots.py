@@ -14,7 +14,8 @@ def plot_all(res: dict, out: Path) -> list[str]:
         return ["no plots: matplotlib is not installed (pip install matplotlib)"]
     matplotlib.use("Agg")  # files only, no display
     notes = []
-    micro = sorted((r for r in res["runs"].values() if r["method"] == "microspec"), key=lambda r: r["w_max"])
+    micro = sorted((r for r in res["runs"].values() if r["method"] == "microspec" and r.get("summary")),
+                   key=lambda r: r["w_max"])
     if micro:
         fig6(micro, out / "fig6_wmax.png")
     else:
