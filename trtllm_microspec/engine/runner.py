@@ -49,6 +49,7 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 class BatchRunner:
     grows = True  # blocks are appended as a request grows (and it may be preempted, then recomputed)
+    prefill_cap: int | None = None  # prompt tokens a step may take besides the budget (None: the budget alone)
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
                  cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1, levels: int = 1,
@@ -133,9 +134,9 @@ class BatchRunner:
         starts = [req.prefilled for req, _ in chunks]
         ids = [tok for req, c in chunks for tok in req.chunk(c)] + [r.last for r in decodes]
         P = len(ids) - len(decodes)  # prompt rows
-        first = torch.tensor(starts).repeat_interleave(torch.tensor(lens))  # each prompt row's chunk start
-        offsets = torch.tensor([0] + lens[:-1]).cumsum(0)
-        slots = first + torch.arange(P) - offsets.repeat_interleave(torch.tensor(lens))
+        lens_t = torch.tensor(lens)
+        offsets = lens_t.cumsum(0) - lens_t  # each chunk's first row
+        slots = torch.arange(P) + (torch.tensor(starts) - offsets).repeat_interleave(lens_t)  # each row's logical slot
         ends = [b for b, (req, c) in enumerate(chunks) if req.prefilled + c == req.seq_len]  # prompt done: a token
         rows = [int(offsets[b]) + lens[b] - 1 for b in ends] + list(range(P, P + len(decodes)))
         sample = [chunks[b][0].slot for b in ends] + [r.slot for r in decodes]
@@ -273,6 +274,8 @@ class SpecRunner(BatchRunner):
     state could not be recomputed token for token after a preemption, so none is preempted."""
 
     grows = False
+    # its prefill pass pads every chunk to the longest (B x T rows): the prompt tokens of a step stay few, as before
+    prefill_cap = 512
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False,

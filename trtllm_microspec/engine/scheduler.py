@@ -3,7 +3,8 @@
 `Scheduler.step()` is one boundary plus one step under a token budget (the runner's `max_num_tokens`): finished
 and cancelled requests leave (their blocks go back at once); every running request past its prompt decodes one
 row (a speculative one a tree); the requests still prefilling take the rest of the budget in prompt chunks, in the
-order they joined; then waiting requests join in order while the batch has room, the budget lasts and the pool has
+order they joined (a speculative runner's padded prefill pass takes at most its `prefill_cap`, 512, of them);
+then waiting requests join in order while the batch has room, the budget lasts and the pool has
 the blocks of their prompt (the first that does not fit holds the rest back, so a long request is not starved by
 short ones). A chunked prompt does not stall the running batch: the chunks and the decode rows go through ONE
 target pass (runner.step). Each request samples with its own SamplingParams (greedy by default): its tokens are
@@ -180,8 +181,13 @@ class Scheduler:
         chunks: list[tuple[Request, int]] = []
         decodes: list[Request] = []
         preempted = 0
+        owned = self.blocks.owned
         for req in list(self.running):  # 1. every request past its prompt decodes
             if req.slot < 0 or req.prefilling:  # preempted just now, or not ready
+                continue
+            if req.n + reserve <= KV_BLOCK * len(owned[req.rid]):  # most steps: its blocks hold the step
+                decodes.append(req)
+                budget -= rows
                 continue
             while not self._grow(req, req.n + reserve):
                 victim = self.running[-1]  # joined last, not scheduled yet (or req itself)
@@ -192,6 +198,8 @@ class Scheduler:
             else:
                 decodes.append(req)
                 budget -= rows
+        if self.runner.prefill_cap is not None:
+            budget = min(budget, self.runner.prefill_cap)
         for req in list(self.running):  # 2. the running prompts, in order, while the budget lasts
             if budget <= 0:
                 break
@@ -277,8 +285,11 @@ class Scheduler:
     def _emit(self, req: Request, toks: list[int]) -> list[int]:
         """Cut at EOS or the budget, as the single-request executor does."""
         room = req.max_new_tokens - len(req.out)
-        stop = next((i for i, t in enumerate(toks[:room]) if t in self.stop_ids), None)
-        toks = toks[: stop + 1] if stop is not None else toks[:room]
+        if len(toks) == 1:  # AR: one token (room >= 1: a request with no room has finished)
+            stop = 0 if toks[0] in self.stop_ids else None
+        else:
+            stop = next((i for i, t in enumerate(toks[:room]) if t in self.stop_ids), None)
+            toks = toks[: stop + 1] if stop is not None else toks[:room]
         req.out += toks
         req.stats.new_tokens = len(req.out)
         if toks:
