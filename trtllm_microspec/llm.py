@@ -75,6 +75,9 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
         need("max_batch", max_batch, 1)
     if max_num_tokens is not None:
         need("max_num_tokens", max_num_tokens, 1)
+        if max_batch is not None:  # every running request decodes at least one row a step (a tree: more, runner)
+            need("max_num_tokens", max_num_tokens, max_batch, why=f"every one of max_batch {max_batch} requests "
+                 "decodes a row each step")
     if kv_memory is not None and kv_memory <= 0:
         raise UserError(f"kv_memory must be positive (a fraction of free GPU memory, or GiB), got {kv_memory}")
 
