@@ -173,6 +173,7 @@ BAD_KNOBS = [
     ("--tp", 0, "tp must be at least 1, got 0"),
     ("--tp-timeout", 0, "tp_timeout must be positive, got 0.0"),
     ("--max-batch", 0, "max_batch must be at least 1, got 0"),
+    ("--max-num-tokens", 0, "max_num_tokens must be at least 1, got 0"),
     ("--kv-memory", 0, "kv_memory must be positive (a fraction of free GPU memory, or GiB), got 0.0"),
     ("--temperature", -1, "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     ("--temperature", "nan", "temperature must be a finite number >= 0"),
