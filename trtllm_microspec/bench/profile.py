@@ -167,8 +167,8 @@ def timeline(target, a) -> None:
                   f"{_f(gpu, '7.2f')} ms, step {r['step_ms_p50']:7.2f} ms (host {_f(host, '6.2f')}), "
                   f"{r['tok_s']:8.0f} output tok/s overall", flush=True)
     meta = dict(engine=str(a.engine), device=torch.cuda.get_device_name() if cuda else "cpu",
-                torch=torch.__version__, context=a.context, new_tokens=a.new_tokens, max_num_tokens=runner.max_num_tokens,
-                kv_blocks=runner.blocks.num_blocks)
+                torch=torch.__version__, context=a.context, new_tokens=a.new_tokens,
+                max_num_tokens=runner.max_num_tokens, kv_blocks=runner.blocks.num_blocks)
     lines = [f"# batched engine step timeline: {meta['engine']} on {meta['device']}", "",
              f"torch {meta['torch']}; per batch size B: B requests of {a.context} random prompt tokens and "
              f"{a.new_tokens} new tokens each, submitted at once, greedy, CUDA graphs (on CUDA); max_num_tokens "

@@ -226,9 +226,9 @@ def eagle_to_vllm(draft_dir: Path, engine_dir: Path, out: Path) -> Path:
 
 class VLLMReference:
     """vLLM's offline LLM, greedy, on the same chat-templated token ids: one request at a time (batch 1), a list of
-    prompts all at once, or at most c in flight through its engine loop (bench --concurrency, `generate_at`); with `eagle`, vLLM's EAGLE (a chain of `depth` tokens) with our
-    head (`draft`, default <engine>/eagle). The converted model lives in a temporary directory for the life of this
-    object."""
+    prompts all at once, or at most c in flight through its engine loop (bench --concurrency, `generate_at`); with
+    `eagle`, vLLM's EAGLE (a chain of `depth` tokens) with our head (`draft`, default <engine>/eagle). The converted
+    model lives in a temporary directory for the life of this object."""
 
     def __init__(self, engine: str, device: str | None, dtype: str | None, max_seq_len: int | None,
                  eagle: bool = False, draft: str | None = None, depth: int = 5, max_num_seqs: int = 32):
