@@ -239,10 +239,11 @@ def test_bad_device(capsys, engine):
 
 
 def test_k_pre_and_k_ver_zero(capsys, engine, random_draft_dir):
-    """0 is allowed and means: the window starts from the prompt's tokens only, and rounds add only the tree's."""
+    """0 is allowed and means: the window starts from the prompt's tokens only, and rounds add only the tree's
+    (the paper's window: microspec's fill would top both up to W_max)."""
     def vocab_and_ids(*knobs):
         code, out, err = run(capsys, *gen(engine, "--prompt", "The capital of France is", "--max-new-tokens", 8,
-                                          "--json", "--method", "microspec", "--draft", random_draft_dir,
+                                          "--json", "--method", "microspec-paper", "--draft", random_draft_dir,
                                           "--depth", 2, "--tree-top-k", 4, "--total-tokens", 8, *knobs))
         assert code == 0, err
         r = json.loads(out)

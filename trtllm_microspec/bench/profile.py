@@ -314,7 +314,8 @@ def register(sub) -> None:
     p.add_argument("--batch", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16],
                    help="comma list: batch sizes of the batched engine's AR step (paged KV)")
     p.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 60],
-                   help="comma list: rows of the per-projection table (cuBLAS vs skinny GEMM vs default)")
+                   help="comma list: rows of the per-projection table (cuBLAS vs skinny GEMM vs the path "
+                   "layers.linear picks)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--timeline", action="store_true", help="instead of the phases: the batched engine's step "
                    "timeline, --batch requests at once of --context prompt tokens and --new-tokens new tokens each")
