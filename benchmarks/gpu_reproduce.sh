@@ -13,7 +13,7 @@
 #   train      train an EAGLE head for KEY into $HEAD (<= TRAIN_LIMIT s wall, caching included), with --eval
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
 #   sampling   the same at temperature 0.7 (speculative sampling)
-#   sweep      in-flight batching: ar, eagle, microspec at concurrency LEVELS, and vLLM with every prompt at once
+#   sweep      in-flight batching: ar, eagle, microspec at concurrency LEVELS, and vLLM at the same levels
 #   fill       the paper's window (microspec-paper) vs the filled one (microspec) beside eagle and frspec, per
 #              category, and both over W_max FILL_SWEEP (Fig. 6, Fig. 1b's filled line); runs build-freq if missing
 #   openai     serve --openai-port: the same load through gRPC and the OpenAI endpoint at concurrency 1 and 64
@@ -25,6 +25,8 @@
 #              Spec-Bench category + HumanEval -> $OUT/head_ab/head_ab.md. Arms: sharegpt (today's data),
 #              distilled, mixed (distilled + ShareGPT), sharegpt-pruned, mixed-pruned (--loss pruned),
 #              mixed-pruned-ttt2. ~17 min on an H200 with the default 3 arms.
+#   load       throughput under load (~5 min on an H200): the batched engine's step timeline at batch 64/128/256,
+#              then AR and vLLM on LOAD_LIMIT x 6 Spec-Bench first turns (240) at LOAD_LEVELS, batched runs only
 set -euo pipefail
 KEY=${KEY:-qwen2.5-coder-1.5b}
 OUT=${OUT:-gpu_out}
@@ -35,6 +37,8 @@ TRAIN_LIMIT=${TRAIN_LIMIT:-450}   # the held-out evaluation and --eval run after
 TRAIN_ARGS=${TRAIN_ARGS:---eval}
 METHODS=${METHODS:-ar,eagle,frspec,microspec}   # frspec needs `microspec build-freq --engine KEY` first
 LEVELS=${LEVELS:-1,2,4,8,16,32}  # sweep: the concurrency levels
+LOAD_LEVELS=${LOAD_LEVELS:-32,64,128,256}  # load: the concurrency levels
+LOAD_LIMIT=${LOAD_LIMIT:-40}  # load: first turns per Spec-Bench category (6 categories: 240 requests)
 REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
 FILL_SWEEP=${FILL_SWEEP:-1024}  # fill: W_max points beside the main 3072 (a comma list; empty: none)
 DISTILL_LIMIT=${DISTILL_LIMIT:-170}   # head-ab: seconds of distilling (engine load included)
@@ -136,6 +140,13 @@ for arm in arms:
           f"{r['train_tok_per_s']:,} | {acc} | {r.get('acceptance', {}).get('eagle', '-')} | {r['wall_s']:.0f} |")
 EOF
       ;;
+    load)
+      ms profile --engine "$KEY" --timeline --batch 64,128,256 --context 512 --new-tokens 128 \
+        --out "$OUT/timeline_$KEY.md" 2>&1 | grep -E "^timeline:|rror"
+      ms bench --engine "$KEY" --methods ar,vllm --concurrency "$LOAD_LEVELS" --batched-only --limit "$LOAD_LIMIT" \
+        --categories mt_bench,translation,summarization,qa,math_reasoning,rag --max-new-tokens "$TOKENS" --warmup 1 \
+        --out "$OUT/load_$KEY" 2>&1 | grep -E "tok/s|rror"
+      grep -A12 "in-flight batching" "$OUT/load_$KEY/results.md" | tail -9 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -2,14 +2,14 @@
 
 Each op (add + RMSNorm, rotary + cache write, gated activation, the projections' skinny GEMM in every config
 it may be measured in (with bias, with SiLU / GELU x up in its prologue, split K, rows 1 .. 64, bf16 and fp32
-even under the interpreter), attention over random tree / causal / windowed spans, and over batches of requests
-with their own committed lengths in a pool behind random block tables) and then whole forwards (one request,
-and a batch in a paged pool against each request alone) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3
-(sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned
-first (caches too) so an unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64
-reference for attention; bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1
-(the test suite does, on small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1
-on any failure.
+even under the interpreter), attention over random tree / causal / windowed spans, over batches of requests
+with their own committed lengths in a pool behind random block tables, and over a batched engine step's packed
+rows: prompt chunks and decode rows, `Spans`) and then whole forwards (one request, and a batch in a paged pool
+against each request alone) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms,
+(1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
+unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
+bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
+small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1 on any failure.
 """
 from __future__ import annotations
 
@@ -293,6 +293,44 @@ def check_model_batched(dev, dtype, g, arch: str, D: int) -> float:
     return err
 
 
+def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[tuple[int, int]], decodes: int,
+                           S: int) -> float:
+    """A step's rows as the batched engine packs them (layers.Spans): prompt chunks (committed length n, T rows)
+    of their own lengths, then `decodes` requests of one row each, in one pool behind random block tables. The
+    Triton path against a float64 attention of each request alone over its own keys."""
+    from .layers import KV_BLOCK, Spans
+
+    reqs = list(chunks) + [(int(torch.randint(0, S, (1,), generator=g)), 1) for _ in range(decodes)]
+    blocks = -(-S // KV_BLOCK)
+    pool = len(reqs) * blocks + 3
+    table = torch.randperm(pool, generator=g)[:len(reqs) * blocks].view(len(reqs), blocks).to(dev)
+    k = torch.randn(KV, pool * KV_BLOCK, D, generator=g).to(dev, dtype)
+    v = torch.randn(KV, pool * KV_BLOCK, D, generator=g).to(dev, dtype)
+    k_pos = torch.arange(pool * KV_BLOCK, device=dev)
+    tri = torch.ones(S, S, dtype=torch.bool, device=dev).tril()  # chunks' masks are views of one, as the runner's
+    parts = [Span(torch.tensor([n], device=dev), tri[None, :T, :T], n + T, table[i:i + 1])
+             for i, (n, T) in enumerate(chunks)]
+    if decodes:
+        ns = torch.tensor([n for n, _ in reqs[len(chunks):]], device=dev)
+        parts.append(Span(ns, tri[:1, :1].expand(decodes, 1, 1), int(ns.max()) + 1, table[len(chunks):]))
+    rows = sum(T for _, T in reqs)
+    q = torch.randn(rows, H, D, generator=g).to(dev, dtype)
+    q_pos = torch.cat([n + torch.arange(T) for n, T in reqs]).to(dev)
+    scale = D ** -0.5
+    with layers.path(True):
+        got = layers.attention(q, k, v, Spans(parts), q_pos, k_pos, 0, scale)
+    refs, r0 = [], 0
+    for i, (n, T) in enumerate(reqs):
+        cols = torch.arange(n + T, device=dev)
+        phys = table[i, cols // KV_BLOCK] * KV_BLOCK + cols % KV_BLOCK
+        mask = cols[None, :] <= (n + torch.arange(T, device=dev))[:, None]
+        refs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[r0:r0 + T].double().transpose(0, 1), k[:, phys].double(), v[:, phys].double(), attn_mask=mask,
+            scale=scale, enable_gqa=True).transpose(0, 1))
+        r0 += T
+    return rel(got, torch.cat(refs))
+
+
 def fix_interpreter() -> None:
     """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(array), which
     numpy >= 2.4 refuses ("only 0-dimensional arrays..."): a loop bound read from memory then fails on the CPU.
@@ -353,6 +391,12 @@ def run(dev: str, big: bool) -> int:
             for B, T, S, w, kind in paged:
                 err = check_paged_attention(dev, dtype, g, H, KV, D, B, T, S, w, kind)
                 rows.append((f"paged attention {kind} B={B} T={T} S={S} window={w} H={H}/{KV} D={D} {dn}", err, tol))
+        packed = [([(0, 600), (300, 40)], 70, 1024), ([(900, 100)], 200, 1024)] if big else \
+                 [([(0, 9), (20, 5)], 3, 48), ([(7, 1)], 4, 40)]
+        for H, KV, D in shapes[:2]:
+            for chunks, dec, S in packed:
+                err = check_packed_attention(dev, dtype, g, H, KV, D, chunks, dec, S)
+                rows.append((f"packed attention chunks={chunks} decodes={dec} S={S} H={H}/{KV} D={D} {dn}", err, tol))
         for arch in ("llama", "qwen2", "gemma3"):
             rows.append((f"model {arch} prefill+tree {dn}", check_model(dev, dtype, g, arch, 64 if big else 32), tol))
             rows.append((f"model {arch} batched paged prefill+tree {dn}",

@@ -111,6 +111,21 @@ class Span:
         return self._masks[window]
 
 
+@dataclass
+class Spans:
+    """Several Spans over consecutive rows of one pass: a step's prefill chunks (one Span each, no padding rows)
+    and its decode rows (one Span of B requests x 1 row). The row-wise work (GEMMs, norms, rotary, cache writes)
+    runs once over all rows; attention runs once per part, on the same kernels as a lone Span."""
+    parts: list[Span]
+
+    @property
+    def rows(self) -> list[int]:
+        return [p.B * p.new.shape[1] for p in self.parts]
+
+    def physical(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.physical(s) for p, s in zip(self.parts, slots.split(self.rows))])
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -169,7 +184,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
               k_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
     """q [B * T, H, D] over the cache pools [KV, slots, D] (GQA: q head h reads kv head h // (H / KV)) as `span`
     says, keys at most window - 1 positions back when window > 0 -> [B * T, H, D]. k_pos: position of every
-    physical slot."""
+    physical slot. `span` may be Spans: each part attends on its own rows."""
+    if isinstance(span, Spans):
+        rows = span.rows
+        return torch.cat([attention(qp, k_cache, v_cache, part, pp, k_pos, window, scale)
+                          for part, qp, pp in zip(span.parts, q.split(rows), q_pos.split(rows))])
     if fast(q, k_cache, v_cache) and (_FORCE or span.new.shape[1] < LONG_ROWS):  # checks force every span
         from .triton_layers import attention as kernel
         return kernel(q, k_cache, v_cache, span, q_pos, k_pos, window, scale)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from trtllm_microspec import LLM
-from trtllm_microspec.engine import scheduler
 from trtllm_microspec.engine.block_manager import GIB
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.spec.sampling import SamplingParams
@@ -36,12 +35,13 @@ def alone(ar):
 
 def test_ar_batch_equals_alone(ar, alone, monkeypatch):
     """4 requests over 3 batch slots, one cancelled after 3 tokens: the last joins the running batch then. A
-    prefill budget of 24 tokens a step splits the prompts into chunks, and one pass prefills the chunks of several
-    requests (padded to the longest) while others decode."""
-    monkeypatch.setattr(scheduler, "PREFILL_BUDGET", 24)
+    budget of 24 tokens a step splits the prompts into chunks, and one pass runs the chunks of several requests
+    (packed, no padding rows) beside the decode rows of the others."""
     sched = ar.scheduler()
-    passes, real_prefill = [], sched.runner.prefill
-    monkeypatch.setattr(sched.runner, "prefill", lambda chunks: passes.append(chunks) or real_prefill(chunks))
+    monkeypatch.setattr(sched.runner, "max_num_tokens", 24)
+    passes, real_step = [], sched.runner.step
+    monkeypatch.setattr(sched.runner, "step", lambda chunks, decodes: passes.append(
+        ([c for _, c in chunks], len(decodes))) or real_step(chunks, decodes))
     reqs = [sched.add(ar.prompt_ids(p, c), m) for p, c, m in CASES]
     cancel = reqs[1]
     sched.step()
@@ -62,9 +62,9 @@ def test_ar_batch_equals_alone(ar, alone, monkeypatch):
     assert reqs[0].stats.stop_reason == "eos" and reqs[2].stats.stop_reason == "max_tokens"
     sched.step()  # the boundary after the last step
     assert sched.idle and sched.blocks.used == 0 and len(sched.runner.free_slots) == 3
-    chunk_lengths = [[c for _, c in chunks] for chunks in passes]
-    assert max(map(len, chunk_lengths)) >= 3 and max(map(sum, chunk_lengths)) == 24, chunk_lengths
-    assert any(len(set(lengths)) > 1 for lengths in chunk_lengths)  # padding rows
+    assert max(sum(c) + d for c, d in passes) == 24, passes
+    assert any(len(set(c)) > 1 for c, _ in passes)  # chunks of different lengths in one pass
+    assert any(c and d for c, d in passes)  # prompt chunks and decode rows in one pass
 
 
 def test_generate_list(ar, alone):
@@ -76,23 +76,26 @@ def test_generate_list(ar, alone):
 
 
 def test_waits_for_blocks(engine_dir, ar, alone):
-    """A pool of 3 blocks (2 usable, 64 slots): two 2-block requests cannot run together; the second waits in
-    the queue and is served once the first frees its blocks."""
+    """A pool of 3 blocks (2 usable, 64 slots): two requests that grow to 2 blocks cannot run together. Both join
+    with one block each; when the first grows into its second block, the second (joined last) is preempted, waits
+    in the queue and is recomputed (its prompt and its tokens so far prefilled again) once the first frees its
+    blocks: its tokens are still those it gets alone."""
     c = ar.target.cfg
     per_block = 2 * c.num_layers * c.num_kv_heads * 32 * c.head_dim * 4 + 16 * 32
     llm = LLM(engine_dir, "ar", device="cpu", max_batch=4, kv_memory=3 * per_block / GIB)
     sched = llm.scheduler()
     assert sched.blocks.num_blocks == 3
-    long_prompt = CASES[3][0]
-    ids = llm.prompt_ids(long_prompt)
+    ids = llm.prompt_ids(CASES[1][0])
     budget = 64 - len(ids) - 1  # exactly two blocks
-    a, b = sched.add(ids, budget), sched.add(ids, CASES[3][2])
+    want = ar.generate(CASES[1][0], budget).token_ids
+    assert len(want) == budget  # no EOS: both requests run into their second block
+    a, b = sched.add(ids, budget), sched.add(ids, 40)
     waited = False
     while not b.done:
         sched.step()
         waited |= a.slot >= 0 and b in sched.waiting
-    assert waited and a.done
-    assert b.out == alone[3] and a.out[:len(alone[3])] == alone[3]
+    assert waited and a.done and b.preemptions >= 1 and b.resumed > 0
+    assert a.out == want and b.out == want[:40]
     sched.step()
     assert sched.blocks.used == 0
     with pytest.raises(UserError, match="needs .* cache slots; this engine holds at most 64"):
@@ -100,19 +103,20 @@ def test_waits_for_blocks(engine_dir, ar, alone):
 
 
 def test_error_and_refusals_return_blocks(ar, monkeypatch):
-    """A prefill that fails fails the requests of its pass; the running batch goes on."""
+    """A pass with prompt chunks that fails fails the requests of those chunks; the others' decodes run again
+    without them and the batch goes on."""
     sched = ar.scheduler()
     ok = sched.add([1, 2, 3], 4)
     sched.step()  # ok's prompt is in; bad comes after
     bad = sched.add([4, 5, 6], 4)
-    real = sched.runner.prefill
+    real = sched.runner.step
 
-    def prefill(chunks):
+    def step(chunks, decodes):
         if any(req is bad for req, _ in chunks):
             raise RuntimeError("boom")
-        return real(chunks)
+        return real(chunks, decodes)
 
-    monkeypatch.setattr(sched.runner, "prefill", prefill)
+    monkeypatch.setattr(sched.runner, "step", step)
     sched.run([ok, bad])
     assert bad.stats.stop_reason == "error" and "boom" in bad.error and len(ok.out) == 4
     with pytest.raises(RuntimeError, match="generation failed: RuntimeError: boom"):
@@ -159,15 +163,17 @@ def test_cli_prompts_file(engine_dir, alone, tmp_path, capsys):
 SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
 
 
-@pytest.mark.parametrize("method,budget", [("eagle", 6), ("microspec", 6), ("microspec", 1), ("microspec-paper", 6)])
+@pytest.mark.parametrize("method,budget", [("eagle", 22), ("microspec", 22), ("microspec", 1),
+                                           ("microspec-paper", 22)])
 def test_spec_batch_equals_alone(method, budget, engine_dir, random_draft_dir, alone, monkeypatch):
-    """Speculative rounds for 3 requests at once over 2 batch slots (one cancelled after its first round), the
-    prompts prefilled `budget` tokens a step beside the running rounds (6: chunks of two requests share a pass;
-    1: every chunk, the prompt's last too, is one token): each request's tokens are AR's; each MicroSpec window
-    ends exactly as the same request's window alone (so no token of another request ever entered it, and a
-    chunked prefill starts it as a whole one does), and so does its fill (`microspec`)."""
-    monkeypatch.setattr(scheduler, "PREFILL_BUDGET", budget)
+    """Speculative rounds for 3 requests at once over 2 batch slots (one cancelled after its first round), under a
+    budget of `budget` rows a step, a round counting its 8 tree rows (22: prompts prefilled 6 tokens a step beside
+    two rounds, more beside one; 1, set below the check: a prompt advances one token a step, its last too, while
+    no round runs): each request's tokens are AR's; each MicroSpec window ends exactly as the same request's window
+    alone (so no token of another request ever entered it, and a chunked prefill starts it as a whole one does),
+    and so does its fill (`microspec`)."""
     llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    monkeypatch.setattr(llm.scheduler().runner, "max_num_tokens", budget)
     window = method != "eagle"
     cases = [CASES[1], CASES[0], CASES[2]]
     want = [alone[1], alone[0], alone[2]]

@@ -160,7 +160,7 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
     assert [r.split(" | ")[:2] for r in table[2:]] == [["| ar", "1"], ["| ar", "2"], ["| microspec", "1"],
                                                       ["| microspec", "2"]]
     assert (tmp_path / "throughput_latency.png").exists()
-    assert all(len(r.split("|")) == 14 and " - " not in r for r in table)
+    assert all(len(r.split("|")) == 18 and " - " not in r for r in table)
 
 
 # ---- outside references: hf-compiled on the CPU, the conversions vLLM loads (vLLM itself runs on the GPU only)

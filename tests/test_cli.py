@@ -173,6 +173,7 @@ BAD_KNOBS = [
     ("--tp", 0, "tp must be at least 1, got 0"),
     ("--tp-timeout", 0, "tp_timeout must be positive, got 0.0"),
     ("--max-batch", 0, "max_batch must be at least 1, got 0"),
+    ("--max-num-tokens", 0, "max_num_tokens must be at least 1, got 0"),
     ("--kv-memory", 0, "kv_memory must be positive (a fraction of free GPU memory, or GiB), got 0.0"),
     ("--temperature", -1, "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     ("--temperature", "nan", "temperature must be a finite number >= 0"),
@@ -238,10 +239,11 @@ def test_bad_device(capsys, engine):
 
 
 def test_k_pre_and_k_ver_zero(capsys, engine, random_draft_dir):
-    """0 is allowed and means: the window starts from the prompt's tokens only, and rounds add only the tree's."""
+    """0 is allowed and means: the window starts from the prompt's tokens only, and rounds add only the tree's
+    (the paper's window: microspec's fill would top both up to W_max)."""
     def vocab_and_ids(*knobs):
         code, out, err = run(capsys, *gen(engine, "--prompt", "The capital of France is", "--max-new-tokens", 8,
-                                          "--json", "--method", "microspec", "--draft", random_draft_dir,
+                                          "--json", "--method", "microspec-paper", "--draft", random_draft_dir,
                                           "--depth", 2, "--tree-top-k", 4, "--total-tokens", 8, *knobs))
         assert code == 0, err
         r = json.loads(out)

@@ -65,8 +65,11 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:
     """The batched engine's knobs (generate --prompts-file, serve)."""
-    p.add_argument("--max-batch", type=int, default=16, help="most requests decoded together (generate: with "
-                   "--prompts-file; serve: per instance); the others wait for a place")
+    p.add_argument("--max-batch", type=int, help="most requests decoded together (generate: with --prompts-file; "
+                   "serve: per instance); the others wait for a place (default: 256 on CUDA, 16 on the CPU)")
+    p.add_argument("--max-num-tokens", type=int, help="tokens of target work per step of the batched engine: prompt "
+                   "chunks and decode rows in one pass (default: 8192 on CUDA, 1024 on the CPU, at least "
+                   "max-batch x the rows a request decodes per step)")
     p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
                    "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
 
@@ -95,8 +98,8 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
     return LLM(a.engine, method=method or a.method, draft=a.draft, device=a.device, w_max=a.w_max,
                k_pre=a.k_pre, k_ver=a.k_ver, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
                total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
-               tp=a.tp, tp_timeout=a.tp_timeout, max_batch=getattr(a, "max_batch", 16),
-               kv_memory=getattr(a, "kv_memory", None))
+               tp=a.tp, tp_timeout=a.tp_timeout, max_batch=getattr(a, "max_batch", None),
+               kv_memory=getattr(a, "kv_memory", None), max_num_tokens=getattr(a, "max_num_tokens", None))
 
 
 def resolve_tree(a: argparse.Namespace, device: str | None = None):

@@ -47,8 +47,8 @@ def resolve_engine(engine: str | Path) -> Path:
 
 def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3, static_k: int = 32768,
                 depth: int = 5, top_k: int = 10, total_tokens: int = 60, max_seq_len: int | None = None,
-                tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S, max_batch: int = 16,
-                kv_memory: float | None = None) -> None:
+                tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S, max_batch: int | None = None,
+                kv_memory: float | None = None, max_num_tokens: int | None = None) -> None:
     """Refuse knobs the engine cannot run, in one line, before they fail deep inside a kernel (a window of 0 ids
     divides by zero, a top-k over fewer candidates than k is out of range, a negative length is a negative size)."""
     def need(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
@@ -71,7 +71,13 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
     need("tp", tp, 1)
     if tp_timeout <= 0:
         raise UserError(f"tp_timeout must be positive, got {tp_timeout}")
-    need("max_batch", max_batch, 1)
+    if max_batch is not None:
+        need("max_batch", max_batch, 1)
+    if max_num_tokens is not None:
+        need("max_num_tokens", max_num_tokens, 1)
+        if max_batch is not None:  # every running request decodes at least one row a step (a tree: more, runner)
+            need("max_num_tokens", max_num_tokens, max_batch, why=f"every one of max_batch {max_batch} requests "
+                 "decodes a row each step")
     if kv_memory is not None and kv_memory <= 0:
         raise UserError(f"kv_memory must be positive (a fraction of free GPU memory, or GiB), got {kv_memory}")
 
@@ -99,16 +105,19 @@ class LLM:
                  static_k: int = 32768, depth: int | None = None, top_k: int | None = None,
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
-                 max_batch: int = 16, kv_memory: float | None = None):
+                 max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None):
         """depth / top_k / total_tokens left None: the device's tree (spec.tree.tree_for: depth 3, top-k 4,
-        12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU)."""
+        12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
+        (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
+        prompt chunks and decode rows together (None: 8192 on CUDA, 1024 on the CPU, at least max_batch x the rows
+        a request decodes in a step)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
         self.device, dtype = pick_device(device, dtype)
         tree = tree_for(self.device, depth, top_k, total_tokens)
         check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, tree.depth, tree.top_k,
-                    tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory)
+                    tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory, max_num_tokens)
         self.method = method
         if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
             self.device = parallel.init(tp, self.device, tp_timeout)
@@ -137,7 +146,9 @@ class LLM:
             raise UserError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt: each step reserves "
                             f"{self.executor.reserve} cache slots (raise max_seq_len or shrink the tree)")
         self._lock = threading.Lock()  # one request at a time: the KV caches and the window are static
-        self.max_batch, self.kv_memory = max_batch, kv_memory
+        from .engine.scheduler import DEFAULT_MAX_BATCH
+        self.max_batch = max_batch or DEFAULT_MAX_BATCH[self.device.type]
+        self.kv_memory, self.max_num_tokens = kv_memory, max_num_tokens
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._scheduler = None  # the batched engine and its KV pool, made on first use
 
@@ -212,11 +223,12 @@ class LLM:
             from .engine.runner import BatchRunner, SpecRunner
             from .engine.scheduler import Scheduler
             if self.method == "ar":
-                runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs)
+                runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs,
+                                     max_num_tokens=self.max_num_tokens)
             else:
                 e = self.executor
                 runner = SpecRunner(self.target, e.draft, e.vocab, e.tree, e.k_pre, e.k_ver, self.max_batch,
-                                    self.kv_memory, self.cuda_graphs)
+                                    self.kv_memory, self.cuda_graphs, self.max_num_tokens)
             self._scheduler = Scheduler(runner, self.max_batch)
         return self._scheduler
 

@@ -17,8 +17,8 @@ def plot_all(res: dict, out: Path) -> list[str]:
     notes = []
     from .specbench import WINDOWS
 
-    micro = {m: sorted((r for r in res["runs"].values() if r["method"] == m), key=lambda r: r["w_max"])
-             for m in WINDOWS}
+    micro = {m: sorted((r for r in res["runs"].values() if r["method"] == m and r.get("summary")),
+                       key=lambda r: r["w_max"]) for m in WINDOWS}
     micro = {m: runs for m, runs in micro.items() if runs}  # window method -> its runs by W_max
     if micro:
         fig6(micro, out / "fig6_wmax.png")

@@ -11,6 +11,12 @@ bandwidth against the 4.2 TB/s copy bandwidth. Then each projection (q|k|v, O, g
 activation, LM head) at each of --rows rows: cuBLAS (F.linear, after act_mul for the down projection), the
 fastest skinny-GEMM config, and the default path, each with its % of copy bandwidth.
 --context committed tokens precede each step.
+
+--timeline instead: the batched engine's step timeline under load. For each --batch size B, B requests of --context
+random prompt tokens and --new-tokens new tokens each, submitted at once (greedy, CUDA graphs, the engine's
+defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and once measured; from the scheduler's
+own record of every step: the GPU time of its pass (CUDA events), the host time of the step around it (the GPU idles
+then: nothing overlaps yet), the rows it ran, for the steps with prompt chunks and the decode-only steps apart.
 """
 from __future__ import annotations
 
@@ -40,15 +46,22 @@ def count_kernels(fn) -> int:
 
 
 def run(a) -> None:
-    if not torch.cuda.is_available():
-        raise UserError("profile needs a CUDA GPU")
     from ..engine.loader import load_target
     from ..llm import resolve_engine
     from ..spec.eagle import EagleDraft, draft_config
     from ..vocab.strategies import FullVocab
 
+    if a.timeline and not torch.cuda.is_available():  # the CPU runs it too (no GPU times): a check of the tool
+        target, _ = load_target(resolve_engine(a.engine), torch.device("cpu"), torch.float32, None)
+        timeline(target, a)
+        return
+    if not torch.cuda.is_available():
+        raise UserError("profile needs a CUDA GPU")
     dev = torch.device("cuda")
     target, _ = load_target(resolve_engine(a.engine), dev, torch.bfloat16, None)
+    if a.timeline:
+        timeline(target, a)
+        return
     c = target.cfg
     torch.manual_seed(0)
     draft = EagleDraft(draft_config(c), bias=False).setup(target, torch.bfloat16, dev)
@@ -102,6 +115,76 @@ def run(a) -> None:
                 context=a.context, iters=a.iters, weights_gb=sum(p.numel() * 2 for p in target.parameters()) / 1e9)
     write_report(a.out, markdown(rows, layer_rows, proj_rows, meta),
                  dict(meta=meta, phases=rows, layer=layer_rows, projections=proj_rows))
+
+
+def timeline(target, a) -> None:
+    import time
+
+    from ..engine.runner import BatchRunner
+    from ..engine.scheduler import Scheduler
+    from ..engine.stats import percentiles
+
+    top, cuda = max(a.batch), target.cache.k.is_cuda
+    runner = BatchRunner(target, top, a.kv_memory, cuda_graphs=cuda, max_num_tokens=a.max_num_tokens)
+    sched = Scheduler(runner, top)
+    sched.timing = True
+    g = torch.Generator().manual_seed(0)
+    rows, steps = [], {}
+    for B in a.batch:
+        sched.max_batch = B
+        for measured in (False, True):  # the first pass captures the CUDA graphs its buckets need
+            reqs = [sched.add(torch.randint(100, target.cfg.vocab_size, (a.context,), generator=g).tolist(),
+                              a.new_tokens) for _ in range(B)]
+            sched.history.clear()
+            sync = torch.cuda.synchronize if cuda else lambda: None
+            sync()
+            t0 = time.perf_counter()
+            sched.run(reqs)
+            sync()
+            wall = time.perf_counter() - t0
+        recs = [r for r in sched.history if r.tokens]
+        per_step = [dict(decodes=r.decodes, prompt_tokens=sum(r.chunks), chunks=len(r.chunks), rows=r.tokens,
+                         preempted=r.preempted, gpu_ms=r.gpu_ms, step_ms=r.step_s * 1e3, plan_ms=r.plan_s * 1e3)
+                    for r in recs]
+        steps[B] = per_step
+        tokens = sum(len(r.out) for r in reqs)
+        for kind, sel in (("with prompt chunks", [s for s in per_step if s["chunks"]]),
+                          ("decode only", [s for s in per_step if not s["chunks"]])):
+            if not sel:
+                continue
+            med = lambda k: percentiles([s[k] for s in sel], (50,))["p50"]  # noqa: E731
+            host = gpu = share = None
+            if cuda:
+                gpu = med("gpu_ms")
+                host = percentiles([s["step_ms"] - s["gpu_ms"] for s in sel], (50,))["p50"]
+                share = sum(s["gpu_ms"] for s in sel) / sum(s["step_ms"] for s in sel)
+            rows.append(dict(batch=B, kind=kind, steps=len(sel), rows_p50=med("rows"), gpu_ms_p50=gpu,
+                             step_ms_p50=med("step_ms"), host_ms_p50=host, plan_ms_p50=med("plan_ms"),
+                             gpu_share=share, tok_s=tokens / wall, wall_s=wall,
+                             preempted=sum(s["preempted"] for s in per_step)))
+            r = rows[-1]
+            print(f"timeline: batch {B:4d} {kind:18s} {r['steps']:5d} steps, rows p50 {r['rows_p50']:6.0f}, GPU "
+                  f"{_f(gpu, '7.2f')} ms, step {r['step_ms_p50']:7.2f} ms (host {_f(host, '6.2f')}), "
+                  f"{r['tok_s']:8.0f} output tok/s overall", flush=True)
+    meta = dict(engine=str(a.engine), device=torch.cuda.get_device_name() if cuda else "cpu",
+                torch=torch.__version__, context=a.context, new_tokens=a.new_tokens,
+                max_num_tokens=runner.max_num_tokens, kv_blocks=runner.blocks.num_blocks)
+    lines = [f"# batched engine step timeline: {meta['engine']} on {meta['device']}", "",
+             f"torch {meta['torch']}; per batch size B: B requests of {a.context} random prompt tokens and "
+             f"{a.new_tokens} new tokens each, submitted at once, greedy, CUDA graphs (on CUDA); max_num_tokens "
+             f"{meta['max_num_tokens']}, {meta['kv_blocks']} KV blocks. Medians over the measured pass's steps. "
+             f"GPU: the pass (CUDA events); step: the host's whole step (schedule, inputs, launch, wait, emit); "
+             f"host = step - GPU, when the GPU idles. GPU share: GPU time / step time over those steps.", "",
+             "| batch | steps | count | rows p50 | GPU ms p50 | step ms p50 | host ms p50 | plan ms p50 | GPU share "
+             "| output tok/s (whole pass) | preempted |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['batch']} | {r['kind']} | {r['steps']} | {r['rows_p50']:.0f} | {_f(r['gpu_ms_p50'], '.2f')} | "
+              f"{r['step_ms_p50']:.2f} | {_f(r['host_ms_p50'], '.2f')} | {r['plan_ms_p50']:.2f} | "
+              f"{_f(r['gpu_share'], '.0%')} | {r['tok_s']:.0f} | {r['preempted']} |" for r in rows]
+    write_report(a.out, "\n".join(lines) + "\n", dict(meta=meta, timeline=rows, steps=steps))
+
+
+def _f(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def layer_table(target, n, S, timer) -> list[dict]:
@@ -231,7 +314,13 @@ def register(sub) -> None:
     p.add_argument("--batch", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16],
                    help="comma list: batch sizes of the batched engine's AR step (paged KV)")
     p.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 60],
-                   help="comma list: rows of the per-projection table (cuBLAS vs skinny GEMM vs default)")
+                   help="comma list: rows of the per-projection table (cuBLAS vs skinny GEMM vs the path "
+                   "layers.linear picks)")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--timeline", action="store_true", help="instead of the phases: the batched engine's step "
+                   "timeline, --batch requests at once of --context prompt tokens and --new-tokens new tokens each")
+    p.add_argument("--new-tokens", type=int, default=128, help="--timeline: new tokens per request")
+    p.add_argument("--max-num-tokens", type=int, help="--timeline: the engine's token budget per step (default 8192)")
+    p.add_argument("--kv-memory", type=float, help="--timeline: the KV pool (fraction of free GPU memory; default 0.5)")
     p.add_argument("--out", help="write the markdown here and JSON beside it")
     p.set_defaults(func=run)

@@ -225,10 +225,10 @@ def eagle_to_vllm(draft_dir: Path, engine_dir: Path, out: Path) -> Path:
 
 
 class VLLMReference:
-    """vLLM's offline LLM, greedy, on the same chat-templated token ids: one request at a time (batch 1), or a list
-    of prompts all at once (bench --concurrency); with `eagle`, vLLM's EAGLE (a chain of `depth` tokens) with our
-    head (`draft`, default <engine>/eagle). The converted model lives in a temporary directory for the life of this
-    object."""
+    """vLLM's offline LLM, greedy, on the same chat-templated token ids: one request at a time (batch 1), a list of
+    prompts all at once, or at most c in flight through its engine loop (bench --concurrency, `generate_at`); with
+    `eagle`, vLLM's EAGLE (a chain of `depth` tokens) with our head (`draft`, default <engine>/eagle). The converted
+    model lives in a temporary directory for the life of this object."""
 
     def __init__(self, engine: str, device: str | None, dtype: str | None, max_seq_len: int | None,
                  eagle: bool = False, draft: str | None = None, depth: int = 5, max_num_seqs: int = 32):
@@ -275,6 +275,56 @@ class VLLMReference:
         out = self.llm.generate([self.TokensPrompt(prompt_token_ids=i) for i in ids], sp, use_tqdm=False)
         results = [_result(self.tokenizer, list(o.outputs[0].token_ids), self.method, t0) for o in out]
         return results if many else results[0]
+
+    def generate_at(self, prompts: list, max_new_tokens: int, concurrency: int, chat: bool = True) -> list:
+        """The prompts through vLLM's own engine loop with at most `concurrency` in flight (the next one added as one
+        finishes, as our scheduler takes them), each with the times the loop saw: TTFT from its submission, its
+        inter-token latencies (a step's new tokens share the time since the request's previous emitting step) and
+        its wall time. Returns their Results in order."""
+        from vllm.sampling_params import RequestOutputKind
+
+        from ..llm import Result
+
+        engine = self.llm.llm_engine
+        ids = [self.tokenizer.prompt_ids(p, chat) for p in prompts]
+        if max(map(len, ids)) >= self.max_len:
+            raise UserError(f"a prompt has {max(map(len, ids))} tokens; vllm's context holds {self.max_len}")
+        waiting = list(range(len(ids)))[::-1]
+        submitted, emits = {}, {i: [] for i in range(len(ids))}
+        tokens, walls = {i: [] for i in range(len(ids))}, {}
+
+        def submit() -> None:
+            i = waiting.pop()
+            sp = self.SamplingParams(temperature=0.0, max_tokens=min(max_new_tokens, self.max_len - len(ids[i])),
+                                     stop_token_ids=self.eos_ids, detokenize=False,
+                                     output_kind=RequestOutputKind.DELTA)
+            submitted[i] = time.perf_counter()
+            engine.add_request(f"mspec-{i}", self.TokensPrompt(prompt_token_ids=ids[i]), sp)
+
+        while waiting and len(submitted) - len(walls) < concurrency:
+            submit()
+        while len(walls) < len(ids):
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                i = int(o.request_id.split("-")[1])  # a version that appends its own suffix keeps the prefix
+                new = list(o.outputs[0].token_ids) if o.outputs else []
+                if new:
+                    tokens[i] += new
+                    emits[i].append((now, len(new)))
+                if o.finished:
+                    walls[i] = now - submitted[i]
+            while waiting and len(submitted) - len(walls) < concurrency:
+                submit()
+        out = []
+        for i in range(len(ids)):
+            e = emits[i]
+            itl = [(t - t0) / k for (t0, _), (t, k) in zip(e, e[1:]) for _ in range(k)]
+            out.append(Result(text=self.tokenizer.decode(tokens[i]), token_ids=tokens[i],
+                              num_new_tokens=len(tokens[i]),
+                              stats={"method": self.method, "new_tokens": len(tokens[i]), "wall_s": walls[i],
+                                     "ttft_s": e[0][0] - submitted[i] if e else None, "inter_token_s": itl}))
+        return out
 
     def close(self) -> None:
         """vLLM keeps its distributed state and GPU memory per process: free them before another engine starts."""

@@ -135,30 +135,70 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
 
 
 def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_ids: dict | None) -> list[dict]:
-    """--concurrency: every question's first turn submitted at once to the batched engine, at most `c` in flight
-    for each c of the list (the rest join as others finish): throughput and per-request latency per level. An
-    outside reference (vLLM) takes them all at once, at its own max_num_seqs (the largest c). ar_ids (greedy): AR's
-    tokens per (qid, turn), which each request of a batch must emit alone; its level counts those that differ."""
+    """--concurrency: every question's first turn submitted at once, at most `c` in flight for each c of the list
+    (the rest join as others finish): throughput and per-request latency per level. Our batched engine takes them
+    with max_batch = c; vLLM through its own engine loop, at most c in flight (its max_num_seqs is the largest c).
+    ar_ids (greedy): AR's tokens per (qid, turn), which each request of a batch must emit alone; its level counts
+    those that differ (None without them: --batched-only)."""
     prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
-    levels = a.concurrency if hasattr(model, "scheduler") else [max(a.concurrency)]
+    ours = hasattr(model, "scheduler")
     out = []
-    for c in levels:
-        if hasattr(model, "scheduler"):
+    for c in a.concurrency:
+        if ours:
             model.scheduler().max_batch = c  # the runner is sized for the largest level
+
+        fallback = []
+
+        def go():
+            if ours or fallback:
+                return model.generate(prompts, a.max_new_tokens, chat=True, **sampling)
+            try:
+                return model.generate_at(prompts, a.max_new_tokens, c)
+            except (AttributeError, TypeError, KeyError) as e:  # a vLLM whose engine loop differs: measured still
+                log(f"{label}: vLLM's engine loop failed ({type(e).__name__}: {e}); every request at once instead, "
+                    f"no per-request times")
+                fallback.append(True)
+                return model.generate(prompts, a.max_new_tokens, chat=True)
+
         if a.warmup:  # the measured run once before, sampled alike: it meets the same (batch, span, sampling mode)
             # buckets (exactly the same when greedy or seeded), so the CUDA graphs it needs are captured here (a first
             # capture costs more than a whole step; vLLM captures at start-up, outside its measurement)
-            model.generate(prompts, a.max_new_tokens, chat=True, **sampling)
-        results, wall = timed(model, prompts, a.max_new_tokens, model.device.type == "cuda", sampling)
+            go()
+        cuda = model.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        if ours:
+            model.scheduler().history.clear()  # the record of this pass only
+        t0 = time.perf_counter()
+        results = go()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
         per_request = [{"qid": q["qid"], **{k: r.stats.get(k) for k in ("new_tokens", "ttft_s", "wall_s")}}
                        for q, r in zip(questions, results)]
         s = batch_summary(per_request, wall, c, [x for r in results for x in r.stats.get("inter_token_s") or []])
-        s["mismatches"] = None if ar_ids is None else len(
+        s["mismatches"] = None if not ar_ids else len(
             compare({(q["qid"], 0): r.token_ids for q, r in zip(questions, results)}, ar_ids))
+        if ours:
+            s["steps"] = step_summary(model.scheduler())
+        if fallback:
+            s["all_at_once"] = True
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
-            f"{s['output_tokens_per_s']:.1f} output tok/s")
+            f"{s['output_tokens_per_s']:.1f} output tok/s, TTFT p50 {_fmt(s['ttft_s']['p50'], '.3f')} s, "
+            f"ITL p50 {_fmt(s['itl_s']['p50'] and s['itl_s']['p50'] * 1e3, '.2f')} ms")
         out.append(s)
     return out
+
+
+def step_summary(sched) -> dict:
+    """The measured pass's steps from the scheduler's record: how many, how many ran prompt chunks, the rows
+    of target work per step, preemptions, and the host time per step."""
+    recs = list(sched.history)
+    ran = [r for r in recs if r.tokens]
+    return {"steps": len(ran), "mixed_steps": sum(1 for r in ran if r.chunks),
+            "tokens_per_step": percentiles([r.tokens for r in ran]),
+            "preempted": sum(r.preempted for r in recs),
+            "step_ms": percentiles([r.step_s * 1e3 for r in ran])}
 
 
 def batch_summary(per_request: list[dict], wall: float, concurrency: int, inter_token: list[float]) -> dict:
@@ -236,15 +276,17 @@ def markdown(res: dict) -> str:
     lines = [f"# Spec-Bench + HumanEval: {res['config']['engine']} on {res['device']}", "",
              f"max_new_tokens {res['config']['max_new_tokens']}, limit {res['config']['limit']} per category, "
              f"{sampling_text(res['config'])}, chat template; speed = mean over questions of new tokens / wall time.", ""]
-    for key, title, spec in METRICS:
-        lines += [f"## {title}", "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-        lines += [f"| {name} | " + " | ".join(_fmt(run["summary"][c][key], spec) for c in cols) + " |"
-                  for name, run in runs.items()]
-        lines.append("")
-    lines += ["## losslessness (token ids equal to AR's)", "", "| method | turns | mismatches |", "|---|---|---|"]
-    lines += [f"| {n} | {r['summary']['overall']['turns']} | {len(r['mismatches'])} |" for n, r in runs.items()]
+    if any(r["summary"] for r in runs.values()):  # --batched-only runs have no per-question tables
+        for key, title, spec in METRICS:
+            lines += [f"## {title}", "", "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+            lines += [f"| {name} | " + " | ".join(_fmt(run["summary"][c][key], spec) for c in cols) + " |"
+                      for name, run in runs.items() if run["summary"]]
+            lines.append("")
+        lines += ["## losslessness (token ids equal to AR's)", "", "| method | turns | mismatches |", "|---|---|---|"]
+        lines += [f"| {n} | {r['summary']['overall']['turns']} | {len(r['mismatches'])} |" for n, r in runs.items()
+                  if r["summary"]]
     for method, knob in (("frspec", "static_k"), *((m, "w_max") for m in WINDOWS)):
-        sweep = sorted((r for r in runs.values() if r["method"] == method), key=lambda r: r[knob])
+        sweep = sorted((r for r in runs.values() if r["method"] == method and r["summary"]), key=lambda r: r[knob])
         if len(sweep) > 1:
             lines += ["", f"## {method} sweep over {knob} (overall)", "",
                       f"| {knob} | " + " | ".join(t for _, t, _ in METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
@@ -256,15 +298,19 @@ def markdown(res: dict) -> str:
         lines += ["", "## in-flight batching (first turns, all submitted at once, at most `concurrency` in flight)", "",
                   ("TTFT counts from submission (queueing included). Inter-token latency (ITL): over every token "
                    "after a request's first, the time between the two steps that emitted it and the one before, "
-                   "shared by the tokens of the later step (a speculative round emits several at once). vLLM takes "
-                   "every request at once (its max_num_seqs = the largest concurrency) and reports no per-request "
-                   "times here. Differ from AR: greedy requests whose tokens are not AR's alone (fp32: none; bf16: "
-                   "near ties, as batch shapes change the sums)."), "",
+                   "shared by the tokens of the later step (a speculative round emits several at once). vLLM runs at "
+                   "the same concurrency through its own engine loop (at most that many requests in flight; its "
+                   "max_num_seqs = the largest level), its times taken in that loop. Differ from AR: greedy requests "
+                   "whose tokens are not AR's alone (fp32: none; bf16: near ties, as batch shapes change the sums; "
+                   "- with --batched-only). Steps: our engine's steps (those with prompt chunks), target rows per "
+                   "step p50 / p99, requests preempted, host time per step p50 (ms)."), "",
                   "| method | concurrency | requests | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | "
-                  "p99 (ms) | differ from AR |", "|---" * 12 + "|"]
+                  "p99 (ms) | differ from AR | steps (mixed) | rows/step p50 / p99 | preempted | step ms p50 |",
+                  "|---" * 16 + "|"]
         lines += [f"| {n} | {b['concurrency']} | {b['requests']} | {b['requests_per_s']:.2f} | "
                   f"{b['output_tokens_per_s']:.1f} | {ms(b['ttft_s'])} | {ms(b['itl_s'])} | "
-                  f"{_fmt(b.get('mismatches'), 'd')} |" for n, levels in batched.items() for b in levels]
+                  f"{_fmt(b.get('mismatches'), 'd')} | {steps_cells(b.get('steps'))} |"
+                  for n, levels in batched.items() for b in levels]
     cov = res.get("static_coverage")
     if cov:
         cats = [c for c in cols if c in cov]
@@ -273,6 +319,13 @@ def markdown(res: dict) -> str:
         lines += [f"| {k} | " + " | ".join(_fmt(cov[c][i], ".1%") for c in cats) + " |" for i, k in enumerate(cov["k"])]
     lines += ["", *[f"- {n}" for n in res["notes"]]]
     return "\n".join(lines) + "\n"
+
+
+def steps_cells(st: dict | None) -> str:
+    if not st:
+        return "- | - | - | -"
+    return (f"{st['steps']} ({st['mixed_steps']}) | {_fmt(st['tokens_per_step']['p50'], '.0f')} / "
+            f"{_fmt(st['tokens_per_step']['p99'], '.0f')} | {st['preempted']} | {_fmt(st['step_ms']['p50'], '.2f')}")
 
 
 def sampling_text(config: dict) -> str:
@@ -305,6 +358,8 @@ def cmd_bench(a) -> None:
         raise UserError("--limit must be at least 1")
     if a.server and not a.concurrency:
         raise UserError("--server measures a running server under load: give --concurrency too")
+    if a.batched_only and not a.concurrency:
+        raise UserError("--batched-only measures the --concurrency levels only: give --concurrency")
     if a.concurrency is not None and not a.server:
         from ..llm import BATCHED
 
@@ -340,11 +395,12 @@ def cmd_bench(a) -> None:
         log(f"run {i}/{len(runs)} {label}: loading the model")
         model = make_model(a, run)
         t0 = time.perf_counter()
-        records, ids = run_questions(model, questions, a, label, sampling)
+        records, ids = ([], {}) if a.batched_only else run_questions(model, questions, a, label, sampling)
         if run["method"] == "ar":
             ar_ids = ids
             res["device"] = str(model.device)
-            res["static_coverage"] = static_coverage_of(model.engine_dir, ar_ids, questions, res["notes"])
+            if not a.batched_only:
+                res["static_coverage"] = static_coverage_of(model.engine_dir, ar_ids, questions, res["notes"])
         batched = run_batched(model, questions, a, label, sampling, None if sampling else ar_ids) if a.concurrency \
             else None
         if hasattr(model, "close"):  # vLLM frees its process-wide state only when asked
@@ -353,17 +409,21 @@ def cmd_bench(a) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        summary = {c: summarize([r for r in records if r["category"] == c]) for c in a.categories}
-        summary["overall"] = summarize(records)
-        ar = res["runs"]["ar"]["summary"] if res["runs"] else summary  # the first run is AR's
-        for c, s in summary.items():
-            s["speedup"] = s["speed"] / ar[c]["speed"]
         mism = [] if sampling else compare(ids, ar_ids)
-        res["runs"][label] = {**run, "lossless": None if sampling else not mism, "mismatches": mism, "summary": summary,
-                              "turns": records, "batched": batched}
-        s = summary["overall"]
-        log(f"{label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
-            f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)")
+        summary = None
+        if records:
+            summary = {c: summarize([r for r in records if r["category"] == c]) for c in a.categories}
+            summary["overall"] = summarize(records)
+            ar = res["runs"]["ar"]["summary"] if res["runs"] else summary  # the first run is AR's
+            for c, s in summary.items():
+                s["speedup"] = s["speed"] / ar[c]["speed"]
+            s = summary["overall"]
+            log(f"{label}: {s['speed']:.1f} tok/s, {s['new_tokens']} tokens in {len(questions)} questions, "
+                f"{len(mism)} mismatches with AR ({time.perf_counter() - t0:.0f} s)")
+        else:
+            log(f"{label}: done ({time.perf_counter() - t0:.0f} s)")
+        res["runs"][label] = {**run, "lossless": None if sampling or not records else not mism, "mismatches": mism,
+                              "summary": summary, "turns": records, "batched": batched}
         if parallel.rank() == 0:  # under --tp every rank measures the same run; rank 0 reports it
             write(res, out)  # after every run, so that an interrupted benchmark still leaves what it measured
     if parallel.rank() == 0:
@@ -463,6 +523,11 @@ def register(sub) -> None:
     p.add_argument("--server", help="with --concurrency: load a running `microspec serve` instead of a model "
                    "here, at its gRPC address (host:port) or OpenAI endpoint (http://host:port/v1); --methods and the "
                    "model options are then the server's")
+    p.add_argument("--max-num-tokens", type=int, help="the batched engine's tokens of target work per step "
+                   "(default: 8192 on CUDA, 1024 on the CPU)")
+    p.add_argument("--batched-only", action="store_true", help="with --concurrency: only the batched levels, no "
+                   "request-at-a-time run per question (a load sweep in minutes; no per-category tables, and no "
+                   "comparison with AR alone)")
     p.add_argument("--data", help="data directory with spec_bench/question.jsonl and humaneval/HumanEval.jsonl.gz "
                    "(default: $MICROSPEC_DATA, else the copy inside the package)")
     p.add_argument("--out", default="bench_out", help="directory for results.json, results.md and the plots")

@@ -1,9 +1,11 @@
 """Fixed-size KV-cache blocks out of one pool, handed to requests and taken back.
 
 The pool is sized by a memory budget (`--kv-memory`): a fraction of the GPU's free memory when <= 1, else GiB
-(on the CPU always GiB). A request gets, when it joins the batch, every block it can ever use (prompt +
-max_tokens + the slots a round writes past its committed length), so a running request never waits for a block
-and nothing needs preempting; one that does not fit now waits in the queue, one that can never fit is refused.
+(on the CPU always GiB). An AR request's blocks grow with it (`grow`: the slots of each step, as it is scheduled),
+so the pool holds the tokens that exist, not every request's worst case; when a step cannot have its blocks the
+scheduler preempts (engine/scheduler.py). A speculative request gets, when it joins, every block it can ever use
+(`allocate`: prompt + max_tokens + the slots a round writes past its committed length: its window and draft state
+could not be recomputed token for token). One that can never fit, even alone, is refused.
 Block 0 is kept out of the free list: padding rows of a batch bucket write there.
 """
 from __future__ import annotations
@@ -60,6 +62,22 @@ class BlockManager:
         assert rid not in self.owned and need <= len(self.free)
         self.owned[rid] = [self.free.pop() for _ in range(need)]
         return self.owned[rid]
+
+    def grow(self, rid: int, slots: int) -> list[int] | None:
+        """Blocks so that request rid holds `slots` slots: the new ones (possibly none), or None (nothing taken)
+        when the pool has too few free."""
+        have = self.owned.setdefault(rid, [])
+        need = self.blocks_for(slots) - len(have)
+        if need <= 0:
+            return []
+        if need > len(self.free):
+            return None
+        new = [self.free.pop() for _ in range(need)]
+        have += new
+        return new
+
+    def held(self, rid: int) -> int:
+        return len(self.owned.get(rid, ()))
 
     def release(self, rid: int) -> None:
         """Give a request's blocks back (idempotent: finish, cancel and error paths may all call it)."""

@@ -1,16 +1,20 @@
-"""The model runner of the batched engine: a paged KV pool, per-request device state in batch slots, chunked
-prefill of the joining requests in one pass, and one target pass per step for the whole batch.
+"""The model runner of the batched engine: a paged KV pool, per-request device state in batch slots, and one
+target pass per step for the whole batch: the prompt chunks of the requests being prefilled and one decode row per
+running request together (`step`), under the scheduler's token budget.
 
-Each running request holds a batch slot: its row of the block table lives on the device from join to leave.
-A step's inputs (last token, committed length, slot of each row) are copied from the host into one persistent
-buffer, so the step itself has no host reads; on CUDA it is captured in a graph per (batch-size bucket, span
-bucket, sampling mode) and replayed. Rows past the real batch (up to the batch-size bucket, on every device, so the
-CPU tests run what the graphs capture) are padding: a greedy request of length 0 in the padding slot, whose table
-points at the pool's block 0 (never handed out).
+Each running request holds a batch slot: its row of the block table lives on the device from join to leave (the
+blocks of an AR request are appended as it grows). A decode-only step's inputs (last token, committed length, slot
+of each row) are copied from the host into one persistent buffer, so the step itself has no host reads; on CUDA it
+is captured in a graph per (batch-size bucket, span bucket, sampling mode) and replayed. Rows past the real batch
+(up to the batch-size bucket, on every device, so the CPU tests run what the graphs capture) are padding: a greedy
+request of length 0 in the padding slot, whose table points at the pool's block 0 (never handed out). A step with
+prompt chunks runs eagerly: its rows are packed (no padding), each chunk attends as its own Span, the decode rows as
+one (plugins/layers.py Spans).
 
 Sampling: each batch slot is a row of one Sampler (spec/sampling.py), set when a request joins, with its own
 generator; a request draws its uniforms as the single-request executor does (one draw before its first token, one
-before each step), so its tokens are those it gets alone with the same SamplingParams and seed.
+before each step), so its tokens are those it gets alone with the same SamplingParams and seed. A preempted request
+keeps its generator's state and gets it back when it joins again.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import torch
 
 from plugins.layers import KV_BLOCK
 
-from ..models.model import KVCache, Span, Transformer
+from ..models.model import KVCache, Span, Spans, Transformer
+from ..models.registry import UserError
 from ..spec.batch_tree import accept, draft_trees, physical, verify
 from ..spec.sampling import Sampler, tempered
 from ..spec.tree import TreeConfig, causal
@@ -28,9 +33,11 @@ from ..vocab.batched import batch_vocab
 from .block_manager import BlockManager, pool_blocks
 from .executor import PREFILL_CHUNK, check_request, round_reserve
 from .graphs import GraphRunner, bucket_for
-from .scheduler import PREFILL_BUDGET
 
 DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / GiB on the CPU
+# tokens of target work per step (prompt chunks + decode rows): a GPU step at 8k rows is GEMM-bound (vLLM chunks at
+# 8k-16k); on the CPU a smaller pass keeps the running requests' inter-token latency bounded
+DEFAULT_MAX_NUM_TOKENS = {"cuda": 8192, "cpu": 1024}
 
 
 def batch_bucket(B: int, max_batch: int) -> int:
@@ -41,18 +48,27 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 
 class BatchRunner:
+    grows = True  # blocks are appended as a request grows (and it may be preempted, then recomputed)
+    prefill_cap: int | None = None  # prompt tokens a step may take besides the budget (None: the budget alone)
+
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
-                 cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1, levels: int = 1):
+                 cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1, levels: int = 1,
+                 max_num_tokens: int | None = None, decode_rows: int = 1):
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
         self.target, self.max_batch, self.device = target, max_batch, dev
         self.stop_ids = list(c.eos_ids)
         self.reserve = reserve  # slots a step writes past the committed length
+        self.decode_rows = decode_rows  # target rows a running request adds to a step (AR 1, a tree its tokens)
+        self.max_num_tokens = max_num_tokens or max(DEFAULT_MAX_NUM_TOKENS[dev.type], max_batch * decode_rows)
+        if self.max_num_tokens < max_batch * decode_rows:
+            raise UserError(f"max_num_tokens {self.max_num_tokens} is below max_batch {max_batch} x {decode_rows} "
+                            f"(the rows every running request decodes in a step): raise it or lower max_batch")
         kv_memory = kv_memory or DEFAULT_KV_MEMORY[dev.type]
         layers = c.num_layers + extra_layers  # the draft's pool shares the block ids (one table for both)
         # k and v of every layer, plus the slot positions (int64) of up to two pools
         per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
-        # table columns: S buckets reach up to max_seq_len, a padded prefill chunk up to PREFILL_BUDGET past it
-        width = -(-(c.max_seq_len + PREFILL_BUDGET) // KV_BLOCK)
+        # table columns: S buckets reach up to max_seq_len, a padded prefill chunk (SpecRunner) up to a budget past it
+        width = -(-(c.max_seq_len + self.max_num_tokens) // KV_BLOCK)
         self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), -(-c.max_seq_len // KV_BLOCK))
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
         # one table row per batch slot, plus the padding slot (all block 0)
@@ -67,6 +83,7 @@ class BatchRunner:
         # a row per batch slot and the padding slot (greedy); `levels` uniforms per step: AR one, a tree one per level
         self.sampler = Sampler(target.argmax, dev, levels, max_batch + 1)
         self.graphs = GraphRunner() if cuda_graphs else None
+        self.tri = causal(1, dev)  # the causal mask of the longest chunk so far: a chunk's mask is a view of it
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
         check_request(prompt, max_new_tokens, self.target.cfg.max_seq_len, self.target.cfg.vocab_size, self.reserve)
@@ -78,14 +95,83 @@ class BatchRunner:
     def join(self, req, blocks: list[int]) -> None:
         req.slot = heapq.heappop(self.free_slots)
         row = torch.zeros(self.table.shape[1], dtype=torch.long)
-        row[:len(blocks)] = torch.tensor(blocks)
+        row[:len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         self.table[req.slot].copy_(row)
         self.sampler.start(req.slot, req.params, self.target.cfg.vocab_size)
+        if req.rng is not None:  # a preempted request goes on with its own random stream
+            self.sampler.generators[req.slot].set_state(req.rng)
+            req.rng = None
+
+    def map_blocks(self, updates: list[tuple[int, int, int]]) -> None:
+        """(batch slot, table column, block) of every block handed out this step, into the table in one write."""
+        if updates:
+            slot, col, block = torch.tensor(updates, dtype=torch.long).to(self.device).T
+            self.table.index_put_((slot, col), block)
 
     def leave(self, req) -> None:
         if req.slot >= 0:
             heapq.heappush(self.free_slots, req.slot)
             req.slot = -1
+
+    def preempt(self, req) -> None:
+        """The request leaves to be recomputed later; its random stream is kept for then."""
+        if not req.params.greedy:
+            req.rng = self.sampler.generators[req.slot].get_state()
+        self.leave(req)
+
+    def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
+        """One target pass: the next chunk of each (request, chunk length) being prefilled and one decode row per
+        request of `decodes`. Returns each chunk's first token once its request's prompt is in (else None) and each
+        decode's token. Without chunks, the (graph-captured) decode step."""
+        if not chunks:
+            return [], self.decode(decodes) if decodes else []
+        t, dev = self.target, self.device
+        lens = [c for _, c in chunks]
+        starts = [req.prefilled for req, _ in chunks]
+        ids = [tok for req, c in chunks for tok in req.chunk(c)] + [r.last for r in decodes]
+        P = len(ids) - len(decodes)  # prompt rows
+        lens_t = torch.tensor(lens)
+        offsets = lens_t.cumsum(0) - lens_t  # each chunk's first row
+        slots = torch.arange(P) + (torch.tensor(starts) - offsets).repeat_interleave(lens_t)  # each row's logical slot
+        ends = [b for b, (req, c) in enumerate(chunks) if req.prefilled + c == req.seq_len]  # prompt done: a token
+        rows = [int(offsets[b]) + lens[b] - 1 for b in ends] + list(range(P, P + len(decodes)))
+        sample = [chunks[b][0].slot for b in ends] + [r.slot for r in decodes]
+        # every index of the pass in one host -> device copy
+        host = torch.cat([torch.tensor(ids), slots, torch.tensor([r.n for r in decodes], dtype=torch.long),
+                          torch.tensor(starts), torch.tensor(rows, dtype=torch.long),
+                          torch.tensor(sample + [r.slot for r in decodes], dtype=torch.long)])
+        dv = host.to(dev).split([len(ids), P, len(decodes), len(chunks), len(rows), len(sample) + len(decodes)])
+        tokens, n_dec, n_chunk, rows_d, slot_d = dv[0], dv[2], dv[3], dv[4], dv[5]
+        slots_d = torch.cat([dv[1], n_dec])
+        if max(lens) > self.tri.shape[0]:
+            self.tri = causal(1 << (max(lens) - 1).bit_length(), dev)
+        parts = [Span(n_chunk[b:b + 1], self.tri[None, :c, :c], starts[b] + c, self.table[req.slot:req.slot + 1])
+                 for b, (req, c) in enumerate(chunks)]
+        if decodes:
+            dec_slots = slot_d[len(sample):]
+            parts.append(Span(n_dec, self.one.expand(len(decodes), 1, 1), max(r.n for r in decodes) + 1,
+                              self.table.index_select(0, dec_slots)))
+        h = t(tokens, self.positions(slots_d), slots_d, Spans(parts), cache=self.cache)
+        toks = []
+        if sample:  # the uniforms are drawn after the forward: a pass that fails has drawn none
+            self.sampler.next(sample)
+            toks = self.sampler.choose(t.logits(h[rows_d]), slot_d[:len(sample)], 0, self.sampler.mode(sample))
+            toks = toks.tolist()  # the one host read of the step
+        out: list[list[int] | None] = []
+        done = iter(toks)
+        for req, c in chunks:
+            req.prefilled = req.n = req.prefilled + c
+            if req.prefilling:
+                out.append(None)
+            else:
+                req.last = next(done)
+                out.append([req.last])
+        decoded = []
+        for r in decodes:
+            r.n += 1
+            r.last = next(done)
+            decoded.append([r.last])
+        return out, decoded
 
     def prefill(self, chunks: list[tuple]) -> list[list[int] | None]:
         """The next prompt chunk of each (request, chunk length), in one target pass. Returns each request's first
@@ -114,7 +200,7 @@ class BatchRunner:
         T = max(c for _, c in chunks)
         ids = torch.zeros(B, T, dtype=torch.long)
         for b, (req, c) in enumerate(chunks):
-            ids[b, :c] = torch.tensor(req.prompt[req.prefilled:req.prefilled + c])
+            ids[b, :c] = torch.tensor(req.chunk(c))
         start = torch.tensor([req.prefilled for req, _ in chunks])
         slots = (start[:, None] + torch.arange(T)).to(dev)
         table = self.table.index_select(0, torch.tensor([req.slot for req, _ in chunks], device=dev))
@@ -179,12 +265,19 @@ class SpecRunner(BatchRunner):
     window (ring, counts, active ids, packed head rows) per batch slot, reset when a request joins. A round is
     one device step with no host read but the one of its results, captured in a CUDA graph per (rows bucket,
     head slots bucket, span bucket, sampling mode); padding rows leave every window as it is. Prompts are
-    prefilled in chunks as AR's, the draft beside the target."""
+    prefilled in chunks, the draft beside the target, in their own pass before the round (padded to the longest
+    chunk; one pass for both is the next step). A request's blocks are all taken when it joins: its window and draft
+    state could not be recomputed token for token after a preemption, so none is preempted."""
+
+    grows = False
+    # its prefill pass pads every chunk to the longest (B x T rows): the prompt tokens of a step stay few, as before
+    prefill_cap = 512
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
-                 max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False):
+                 max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False,
+                 max_num_tokens: int | None = None):
         super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1, reserve=round_reserve(tree),
-                         levels=tree.max_path)
+                         levels=tree.max_path, max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens)
         self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
         dev = self.device
         self.dcache = KVCache(draft.cfg, 1, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
@@ -224,6 +317,10 @@ class SpecRunner(BatchRunner):
         for b, row, req in ends:
             self.h_last[req.slot] = dh[b, row]
         return out
+
+    def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
+        """The prompt chunks' pass, then the round of the requests past their prompts."""
+        return self.prefill(chunks) if chunks else [], self.decode(decodes) if decodes else []
 
     def decode(self, reqs: list) -> list[list[int]]:
         """One draft / verify / update round for the batch."""

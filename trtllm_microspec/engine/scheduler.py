@@ -1,12 +1,21 @@
 """In-flight batching: requests join and leave a running batch at step boundaries.
 
-`Scheduler.step()` is one boundary plus one step: finished and cancelled requests leave (their blocks go back
-at once), waiting requests join in order while the batch has room and the pool has their blocks (the first
-that does not fit holds the rest back, so a long request is not starved by short ones), prefill advances by
-at most PREFILL_BUDGET prompt tokens (chunked: a long prompt does not stall the running batch for more than
-one chunk per step; the chunks of several requests go through one target pass), and every request whose prompt
-is in the cache decodes one step together (one target pass for the batch). Each request samples with its own
-SamplingParams (greedy by default): its tokens are those it gets alone with the same parameters and seed.
+`Scheduler.step()` is one boundary plus one step under a token budget (the runner's `max_num_tokens`): finished
+and cancelled requests leave (their blocks go back at once); every running request past its prompt decodes one
+row (a speculative one a tree); the requests still prefilling take the rest of the budget in prompt chunks, in the
+order they joined (a speculative runner's padded prefill pass takes at most its `prefill_cap`, 512, of them);
+then waiting requests join in order while the batch has room, the budget lasts and the pool has
+the blocks of their prompt (the first that does not fit holds the rest back, so a long request is not starved by
+short ones). A chunked prompt does not stall the running batch: the chunks and the decode rows go through ONE
+target pass (runner.step). Each request samples with its own SamplingParams (greedy by default): its tokens are
+those it gets alone with the same parameters and seed.
+
+KV blocks grow with a request (AR; a speculative request takes all of its blocks when it joins). When the pool
+cannot give a running request the slots of its step, the request that joined last is preempted (recompute, as
+vLLM): its blocks go back, it leaves its batch slot, and it waits at the head of the queue to be prefilled again
+with its prompt and the tokens it has emitted, after which it goes on where it was (its random stream kept): its
+tokens stay those it gets alone. Every step is recorded in `history` (what it ran, and its host and GPU time when
+`timing` is on).
 """
 from __future__ import annotations
 
@@ -16,12 +25,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from plugins.layers import KV_BLOCK
+
 from ..models.registry import UserError
 from ..spec.sampling import GREEDY, SamplingParams
 from .block_manager import BlockManager
 from .stats import Stats
 
-PREFILL_BUDGET = 512  # prompt tokens prefilled per step, over all joining requests
+DEFAULT_MAX_BATCH = {"cuda": 256, "cpu": 16}  # requests decoded together, by device (LLM's max_batch=None)
 
 
 @dataclass(eq=False)
@@ -31,7 +44,7 @@ class Request:
     params: SamplingParams = GREEDY
     rid: int = field(default_factory=itertools.count().__next__)
     out: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens in the cache
+    prefilled: int = 0  # tokens of prompt + out[:resumed] in the cache
     n: int = 0  # committed cache slots (prompt + emitted tokens already fed back)
     last: int = -1  # the last emitted token, not yet in the cache
     slot: int = -1  # the runner's batch slot (per-request device state), -1 while not running
@@ -42,16 +55,52 @@ class Request:
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
     emits: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each step that emitted
+    resumed: int = 0  # after a preemption: the emitted tokens prefilled again after the prompt
+    preemptions: int = 0
+    rng: object = None  # a preempted sampling request's generator state, until it joins again
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens to prefill: the prompt, and after a preemption the tokens emitted before it."""
+        return len(self.prompt) + self.resumed
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < self.seq_len
+
+    def chunk(self, c: int) -> list[int]:
+        """The next c tokens to prefill."""
+        a = self.prefilled
+        if a + c <= len(self.prompt):
+            return self.prompt[a:a + c]
+        return (self.prompt + self.out[:self.resumed])[a:a + c]
 
     @property
     def inter_token_s(self) -> list[float]:
         """Inter-token latencies: the time between two emitting steps, shared by the tokens the later one emitted
         (a speculative round emits several at once), so there is one value per token after the first."""
         return [(t - t0) / k for (t0, _), (t, k) in zip(self.emits, self.emits[1:]) for _ in range(k)]
+
+
+@dataclass
+class StepRecord:
+    decodes: int  # requests that decoded (each adds runner.decode_rows rows)
+    chunks: list[int]  # prompt tokens prefilled, per request
+    tokens: int  # the step's target rows: decode rows + chunk tokens, at most the budget
+    preempted: int  # requests preempted while the step was scheduled
+    running: int  # requests in the batch after the boundary
+    waiting: int
+    plan_s: float = 0.0  # host: the boundary and the schedule
+    step_s: float = 0.0  # host: the whole step, the pass and the emission included
+    events: tuple | None = None  # CUDA events around the pass (timing on)
+
+    @property
+    def gpu_ms(self) -> float | None:
+        """GPU time of the pass (waits for it)."""
+        if self.events is None:
+            return None
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1])
 
 
 class Scheduler:
@@ -62,8 +111,15 @@ class Scheduler:
         self.blocks: BlockManager = runner.blocks
         self.stop_ids = set(runner.stop_ids)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in the order they joined: the last one is preempted first
         self.lock = threading.Lock()  # add / cancel may come from other threads (serving)
+        self.history: deque[StepRecord] = deque(maxlen=1 << 16)
+        self.timing = False  # CUDA events around every pass (profile's step timeline)
+        self._updates: list[tuple[int, int, int]] = []  # blocks handed out while scheduling, for the table
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.runner.max_num_tokens
 
     def add(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = GREEDY) -> Request:
         """Queue a request; a UserError now if it could never run."""
@@ -93,60 +149,140 @@ class Scheduler:
         self.runner.leave(req)
 
     def _boundary(self) -> None:
-        for req in [r for r in self.running if r.cancelled or r.done]:
-            self.running.remove(req)
-            if not req.done:
-                self._finish(req, "cancelled")
-        with self.lock:
+        if any(r.cancelled or r.done for r in self.running):
+            for req in [r for r in self.running if r.cancelled or r.done]:
+                self.running.remove(req)
+                if not req.done:
+                    self._finish(req, "cancelled")
+        if any(r.cancelled for r in self.waiting):
             for req in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(req)
                 req.done, req.stats.stop_reason = True, "cancelled"
-            while self.waiting and len(self.running) < self.max_batch:
-                req = self.waiting[0]
-                slots = self.runner.slots_for(req.prompt, req.max_new_tokens)
-                if not self.blocks.can_allocate(slots):
-                    break  # waits for blocks that running requests will free
-                self.waiting.popleft()
-                self.runner.join(req, self.blocks.allocate(req.rid, slots))
-                self.running.append(req)
+
+    def _grow(self, req: Request, slots: int) -> bool:
+        """req's blocks cover `slots`: True, or False (nothing taken) when the pool has too few free."""
+        have = self.blocks.held(req.rid)
+        new = self.blocks.grow(req.rid, slots)
+        if new is None:
+            return False
+        self._updates += [(req.slot, have + i, b) for i, b in enumerate(new)]
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute: blocks and batch slot back; prefilled again later with its prompt and its emitted tokens."""
+        self.running.remove(req)
+        self.blocks.release(req.rid)
+        self.runner.preempt(req)
+        req.resumed, req.prefilled, req.n = len(req.out), 0, 0
+        req.preemptions += 1
+        self.waiting.appendleft(req)  # victims are taken from the end of `running`: their order is kept
+
+    def _schedule(self) -> tuple[list[tuple[Request, int]], list[Request], int]:
+        """This step's prompt chunks (request, tokens) and decoding requests, and how many were preempted."""
+        budget, rows, reserve = self.max_num_tokens, self.runner.decode_rows, self.runner.reserve
+        chunks: list[tuple[Request, int]] = []
+        decodes: list[Request] = []
+        preempted = 0
+        owned = self.blocks.owned
+        for req in list(self.running):  # 1. every request past its prompt decodes
+            if req.slot < 0 or req.prefilling:  # preempted just now, or not ready
+                continue
+            if req.n + reserve <= KV_BLOCK * len(owned[req.rid]):  # most steps: its blocks hold the step
+                decodes.append(req)
+                budget -= rows
+                continue
+            while not self._grow(req, req.n + reserve):
+                victim = self.running[-1]  # joined last, not scheduled yet (or req itself)
+                self._preempt(victim)
+                preempted += 1
+                if victim is req:
+                    break
+            else:
+                decodes.append(req)
+                budget -= rows
+        if self.runner.prefill_cap is not None:
+            budget = min(budget, self.runner.prefill_cap)
+        for req in list(self.running):  # 2. the running prompts, in order, while the budget lasts
+            if budget <= 0:
+                break
+            if req.slot < 0 or not req.prefilling:
+                continue
+            c = min(budget, req.seq_len - req.prefilled)
+            while not self._grow(req, req.prefilled + c):
+                victim = self.running[-1]
+                if victim is not req and victim.prefilling:  # a later prompt, nothing scheduled for it
+                    self._preempt(victim)
+                    preempted += 1
+                    continue
+                c = min(c, (self.blocks.held(req.rid) + len(self.blocks.free)) * KV_BLOCK - req.prefilled)
+                if c <= 0:  # as much as the free blocks hold, or nothing
+                    break
+            if c <= 0:
+                break  # the pool is full: the later prompts wait too
+            chunks.append((req, c))
+            budget -= c
+        while self.waiting and len(self.running) < self.max_batch and budget > 0:  # 3. joins
+            req = self.waiting[0]
+            if not self.blocks.can_allocate(req.seq_len + reserve if self.runner.grows else
+                                            self.runner.slots_for(req.prompt, req.max_new_tokens)):
+                break  # waits for blocks that running requests will free
+            self.waiting.popleft()
+            self.runner.join(req, [] if self.runner.grows else
+                             self.blocks.allocate(req.rid, self.runner.slots_for(req.prompt, req.max_new_tokens)))
+            self.running.append(req)
+            c = min(budget, req.seq_len)
+            assert self._grow(req, c)
+            chunks.append((req, c))
+            budget -= c
+        self.runner.map_blocks(self._updates)
+        self._updates = []
+        return chunks, decodes, preempted
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """One boundary and one step. Returns each request's newly emitted tokens (a finished request's last
         ones included; `req.done` says it ended)."""
+        t0 = time.perf_counter()
         self._boundary()
+        with self.lock:
+            chunks, decodes, preempted = self._schedule()
+        rec = StepRecord(len(decodes), [c for _, c in chunks], len(decodes) * self.runner.decode_rows +
+                         sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting))
+        rec.plan_s = time.perf_counter() - t0
         emitted: list[tuple[Request, list[int]]] = []
-        budget, chunks = PREFILL_BUDGET, []
-        for req in [r for r in self.running if r.prefilling]:
-            if budget <= 0:
-                break
-            rest = len(req.prompt) - req.prefilled
-            chunk = min(budget, rest)
-            budget -= chunk
-            chunks.append((req, chunk))
-        if chunks:
-            t0 = time.perf_counter()
-            try:
-                firsts = self.runner.prefill(chunks)  # one pass for all of them (its first tokens read back)
-            except Exception as e:  # these requests fail, the batch goes on
-                firsts = [None] * len(chunks)
-                for req, _ in chunks:
-                    self._fail(req, e)
-            dt = time.perf_counter() - t0
+        if chunks or decodes:
+            events = None
+            if self.timing and self.runner.device.type == "cuda":
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
+            t1 = time.perf_counter()
+            firsts, decoded = self._run(chunks, decodes)  # its tokens read back: the pass is over
+            dt = time.perf_counter() - t1  # the one pass counts for every request in it, as its phase
+            if events:
+                events[1].record()
+                rec.events = events
             for (req, _), first in zip(chunks, firsts):
                 req.stats.prefill_s += dt
                 if first is not None:
-                    req.t_first = time.perf_counter()
+                    req.t_first = req.t_first or time.perf_counter()  # a recomputed request had its first token
                     emitted.append((req, self._emit(req, first)))
-        just = {r.rid for r, _ in emitted}  # their first token came from the prefill: they decode next step
-        ready = [r for r in self.running if r.out and not r.done and r.rid not in just]
-        if ready:
-            t0 = time.perf_counter()
-            outs = self.runner.decode(ready)  # its tokens read back: the step is over
-            dt = time.perf_counter() - t0
-            for req, toks in zip(ready, outs):
+            for req, toks in zip(decodes, decoded):
                 req.stats.decode_s += dt
                 emitted.append((req, self._emit(req, toks)))
+        rec.step_s = time.perf_counter() - t0
+        self.history.append(rec)
         return emitted
+
+    def _run(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
+        """The step's pass. One that fails fails the requests whose prompt chunks were in it (their input is what
+        is new); the decodes run again without them and the batch goes on."""
+        try:
+            return self.runner.step(chunks, decodes)
+        except Exception as e:
+            if not chunks:
+                raise
+            for req, _ in chunks:
+                self._fail(req, e)
+            return [None] * len(chunks), self.runner.step([], decodes)[1]
 
     def _fail(self, req: Request, e: Exception) -> None:
         req.error = f"{type(e).__name__}: {e}"
@@ -155,8 +291,11 @@ class Scheduler:
     def _emit(self, req: Request, toks: list[int]) -> list[int]:
         """Cut at EOS or the budget, as the single-request executor does."""
         room = req.max_new_tokens - len(req.out)
-        stop = next((i for i, t in enumerate(toks[:room]) if t in self.stop_ids), None)
-        toks = toks[: stop + 1] if stop is not None else toks[:room]
+        if len(toks) == 1:  # AR: one token (room >= 1: a request with no room has finished)
+            stop = 0 if toks[0] in self.stop_ids else None
+        else:
+            stop = next((i for i, t in enumerate(toks[:room]) if t in self.stop_ids), None)
+            toks = toks[: stop + 1] if stop is not None else toks[:room]
         req.out += toks
         req.stats.new_tokens = len(req.out)
         if toks:

@@ -4,7 +4,8 @@ One forward serves prefill, single-token decode and tree verification, for one r
 requests with T rows each: it takes the new tokens, their positions, the cache slots they are written to, and
 a `Span`: per request the committed slots every row sees, a boolean mask over the new slots (an ancestor mask
 for tree verification, a causal one for decode and prefill), and the block table that places the request's
-slots in the shared pool. The layer's pieces (add + RMSNorm, rotary + cache write, gated activation,
+slots in the shared pool; or `Spans`, several of them over consecutive rows (the batched engine's step: prefill
+chunks and decode rows in one pass). The layer's pieces (add + RMSNorm, rotary + cache write, gated activation,
 attention, the projections) are plugins/layers.py: plain torch on the CPU and under autograd, Triton kernels on
 CUDA; q|k|v and gate|up are one GEMM each, and the gated activation rides in the down projection's call.
 Weight names follow the Hugging Face layout without the `model.` prefix, so engines and official EAGLE
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from plugins import layers
-from plugins.layers import KV_BLOCK, Span
+from plugins.layers import KV_BLOCK, Span, Spans
 
 from .. import parallel
 
@@ -265,7 +266,7 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
 
-    def forward(self, tokens, positions, slots, span: Span, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens, positions, slots, span: Span | Spans, cache: KVCache | None = None) -> torch.Tensor:
         """tokens/positions/slots [B * T] long (slots: each request's own, logical), attending as `span` says ->
         final-normed hidden states [B * T, d]. `cache`: a paged pool instead of the single-sequence cache."""
         c, cache = self.cfg, cache or self.cache

@@ -37,8 +37,8 @@ from .server import STOP_FILE_ENV
 SAMPLING_INPUTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "random_seed"}
 # config.pbtxt parameters that are numbers (the rest are strings); left out or empty: the LLM's default
 NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "static_k": int, "depth": int, "top_k": int,
-           "total_tokens": int, "max_seq_len": int, "max_batch": int, "kv_memory": float, "tp": int,
-           "tp_timeout": float, "tp_port": int}
+           "total_tokens": int, "max_seq_len": int, "max_batch": int, "max_num_tokens": int, "kv_memory": float,
+           "tp": int, "tp_timeout": float, "tp_port": int}
 # the batch's state on Triton's metrics port (gauges per model instance)
 METRICS = {"microspec_running_requests": "requests decoding now (the batch, and the single-request path's one in turn)",
            "microspec_waiting_requests": "requests accepted and waiting for KV blocks or their turn (those in "

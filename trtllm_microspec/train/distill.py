@@ -167,8 +167,7 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
     if not todo:
         _write_json(out / MANIFEST, m)
         return _summary(out, m, run, False, t0)
-    llm = LLM(engine_dir, method="ar", device=device, max_batch=max_batch or (256 if _cuda(device) else 16),
-              kv_memory=kv_memory)
+    llm = LLM(engine_dir, method="ar", device=device, max_batch=max_batch, kv_memory=kv_memory)
     tok, sched = llm.tokenizer, llm.scheduler()
     stop_ids = set(llm.target.cfg.eos_ids) | sched.stop_ids
     room = llm.max_seq_len - max_tokens  # the longest prompt a request may have (prompt + answer <= max_seq_len)
@@ -278,11 +277,6 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
 def _summary(out: Path, m: dict, run: dict, stopped: bool, t0: float) -> dict:
     return {"out": str(out), **{k: m[k] for k in ("conversations", "answers", "answer_tokens", "tokens")},
             "run": run, "stopped": stopped, "wall_s": perf_counter() - t0}
-
-
-def _cuda(device: str | None) -> bool:
-    import torch
-    return (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
 
 
 def _answered(c: _Conv, ans: list[int], stop_ids: set, tok, limit: int, turns: int) -> None:
