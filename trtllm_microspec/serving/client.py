@@ -64,6 +64,13 @@ class Completion:
     last_s: float | None = None  # time to the last non-empty piece
 
 
+# gRPC's reconnect backoff grows to 2 minutes while a server is down (a restart takes a model load): capped at 1 s, a
+# long-lived channel reaches a server within a second of its coming back, and fails fast until then. The message size
+# options are tritonclient's own defaults, which channel_args replaces.
+FAST_RECONNECT = [("grpc.max_send_message_length", 2 ** 31 - 1), ("grpc.max_receive_message_length", 2 ** 31 - 1),
+                  ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 def _grpc():
     try:
         import tritonclient.grpc as grpcclient

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from ..models.registry import UserError
-from .client import MODEL_NAME, QUEUE_FULL, error_code, make_inputs
+from .client import FAST_RECONNECT, MODEL_NAME, QUEUE_FULL, error_code, make_inputs
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # OpenAI's default for completions; chat has none in OpenAI
 # fields of OpenAI's API this server does not serve, and the values that ask for nothing (any other is refused)
@@ -126,13 +126,8 @@ class Front:
         async def lifespan(_):
             import tritonclient.grpc.aio as aio
 
-            # gRPC's reconnect backoff grows to 2 minutes while Triton is down (a supervisor restart takes a model
-            # load): capped at 1 s, the front serves again within a second of Triton, and fails fast (503) until
-            # then; the other options are tritonclient's defaults, which channel_args replaces
-            self.triton = aio.InferenceServerClient(self.grpc_url, channel_args=[
-                ("grpc.max_send_message_length", aio.MAX_GRPC_MESSAGE_SIZE),
-                ("grpc.max_receive_message_length", aio.MAX_GRPC_MESSAGE_SIZE),
-                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
+            # reconnects within a second of Triton restarting (Supervisor), not after gRPC's growing backoff
+            self.triton = aio.InferenceServerClient(self.grpc_url, channel_args=FAST_RECONNECT)
             yield
             await self.triton.close()
 

@@ -266,7 +266,11 @@ class TritonServer:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        from .client import FAST_RECONNECT
+
+        # made before the server listens: with gRPC's growing backoff a restart's readiness was seen seconds late
+        # (test_faults: serve said "ready again" over 5 s after a client had been answered)
+        client = grpcclient.InferenceServerClient(self.grpc_url, channel_args=FAST_RECONNECT)
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
