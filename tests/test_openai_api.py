@@ -428,25 +428,26 @@ def test_model_process_killed_front_answers_503_then_serves_again(served, offlin
     port, and the front, meanwhile answering 503, serves correctly again within seconds of Triton being ready."""
     (stub,) = stub_pids(served.triton())
     os.kill(stub, signal.SIGKILL)
-    killed, failures = time.monotonic(), []
+    killed, failures = time.monotonic(), []  # (when the attempt began, its status, its code)
     while True:
+        sent = time.monotonic()
         try:
             r = served.client.completions.create(model="microspec", prompt=PROMPT, max_tokens=MAX_TOKENS,
                                                  temperature=0)
             break
         except openai.APIStatusError as e:
-            failures.append((e.status_code, e.body["code"]))
-            assert time.monotonic() - killed < 180, served.stderr()
+            failures.append((sent, e.status_code, e.body["code"]))
+            assert time.monotonic() - killed < 300, served.stderr()
             time.sleep(0.2)
-    answered = time.monotonic()
     assert r.choices[0].text == offline.generate(PROMPT, MAX_TOKENS).text
-    assert failures and set(failures) == {(503, "unavailable")}, failures
+    assert failures and {f[1:] for f in failures} == {(503, "unavailable")}, failures
     # serve polls readiness (and logs "ready again") after the front may already have been answered
     deadline = time.monotonic() + 10
     while "ready again in" not in (err := served.stderr()):
         assert time.monotonic() < deadline, err
         time.sleep(0.1)
     assert f"the model's process (pid {stub}) died" in err
-    # answered within seconds of Triton being ready again, not after gRPC's reconnect backoff (tens of seconds)
+    # no request sent 2 s after Triton was ready again failed: the front reconnected within its 1 s backoff cap, not
+    # after gRPC's default backoff (grown to ~10 s or more after a minute down)
     ready_at = killed + float(err.split("ready again in ")[1].split()[0])
-    assert answered - ready_at < 3, (answered - killed, err)
+    assert not [t - ready_at for t, *_ in failures if t > ready_at + 2], (failures, ready_at, err)
