@@ -164,17 +164,17 @@ def test_sixteen_concurrent_streams(server, offline):
 
 
 def test_bad_and_sampled_requests_among_running_ones(server, offline):
-    """While greedy streams run: a request the batch can never hold (its prompt + max_tokens over max_seq_len) gets
-    its one-line error and the others finish; a sampling request joins the batch and gets the text of its seed
+    """While greedy streams run: a request the engine can never hold (its prompt over max_seq_len less a round's
+    room; a budget past max_seq_len is no refusal: it stops at "length") gets its one-line error and the others finish; a sampling request joins the batch and gets the text of its seed
     alone."""
     sampling = {"temperature": 1.5, "top_p": 0.875, "top_k": 40, "random_seed": 7}
     want_sampled = offline.llm.generate(PROMPTS[3], MAX_TOKENS, temperature=1.5, top_p=0.875, top_k=40, seed=7).text
     calls = [lambda p=p: client.generate(server.grpc_url, p, MAX_TOKENS, stream=True, timeout=300) for p in PROMPTS]
-    calls += [lambda: client.generate(server.grpc_url, PROMPTS[0], MAX_SEQ_LEN, timeout=300),
+    calls += [lambda: client.generate(server.grpc_url, "word " * (2 * MAX_SEQ_LEN), MAX_TOKENS, timeout=300),
               lambda: client.generate(server.grpc_url, PROMPTS[3], MAX_TOKENS, sampling=sampling, timeout=300)]
     *greedy, bad, sampled = concurrently(calls)
     assert [getattr(r, "text", r) for r in greedy] == [offline(p).text for p in PROMPTS]
-    assert isinstance(bad, client.RequestError) and "cache slots" in str(bad) and "\n" not in str(bad)
+    assert isinstance(bad, client.RequestError) and "accepts at most" in str(bad) and "\n" not in str(bad)
     assert getattr(sampled, "text", sampled) == want_sampled
 
 
