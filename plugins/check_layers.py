@@ -9,7 +9,9 @@ against each request alone) of small random Llama, Qwen2 (q/k/v bias) and Gemma-
 (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
 unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
 bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
-small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Exit status 1 on any failure.
+small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Each check prints one line as it
+finishes (all configs of one projection shape on one line), with its seconds; `--only TEXT` runs a subset.
+Exit status 1 on any failure.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def check_act(dev, dtype, g, inter: int) -> float:
     return max(rel(*both(lambda: layers.act_mul(gu, gelu))) for gelu in (False, True))
 
 
-def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | None) -> list[tuple[str, float]]:
+def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | None) -> list[tuple[tuple, float]]:
     """Every skinny_configs candidate of this shape against the reference (act_mul, then F.linear)."""
     from .triton_layers import skinny_configs, skinny_linear
 
@@ -77,7 +79,7 @@ def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | N
     b = torch.randn(N, generator=gd, device=dev).to(dtype) if bias else None
     with layers.path(False):
         ref = layers.linear(x, w, b, act)
-    return [(str(c), rel(skinny_linear(x, w, b, act, c), ref))
+    return [(c, rel(skinny_linear(x, w, b, act, c), ref))
             for c in skinny_configs(M, N, K, dtype == torch.float32)]
 
 
@@ -346,76 +348,132 @@ def fix_interpreter() -> None:
     it._patch_lang_tensor = patch
 
 
-def run(dev: str, big: bool) -> int:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        fix_interpreter()
-    g = torch.Generator().manual_seed(0)
-    rows = []
+def fmt_config(config: tuple[int, int, int]) -> str:
+    block_n, block_k, splits = config
+    return f"{block_n}x{block_k}/{splits}"  # BLOCK_N x BLOCK_K / K splits
+
+
+def cases(dev: str, big: bool, g):
+    """(name, tolerance, check) in order; check() -> the error, or (error, detail shown on failure). Lazy: each
+    runs (and prints) before the next is drawn."""
     dtypes = [torch.bfloat16, torch.float32] if dev == "cuda" else [torch.float32]
     shapes = [(9, 3, 64), (4, 1, 256), (12, 2, 128)] if big else [(4, 2, 32), (4, 1, 64)]
-    # (rows, N, K, bias, act): odd sizes (masks, splits), and on a GPU qwen2.5-coder-1.5b's q|k|v, O, gate|up,
-    # down (SiLU; GELU as Gemma's) and LM head at the decode / draft / verify rows (rows None: 1, 4, 16, 60, 64)
+    # (rows, N, K, bias, act): odd sizes (masks, splits); on a GPU two of them, then qwen2.5-coder-1.5b's q|k|v,
+    # O, gate|up, down (SiLU; GELU as Gemma's) and LM head at rows that reach each BLOCK_M of the kernel (16, 32,
+    # 64): every compiled variant the model may pick, with as few compiles as cover them (each ~0.5 s)
     lin = [(1, 37, 300, True, None), (5, 50, 96, False, None), (17, 37, 520, False, "silu"),
            (33, 20, 300, False, "gelu"), (64, 70, 130, True, None), (16, 16, 64, False, None)]
     if big:
-        lin += [(None, 2048, 1536, True, None), (None, 1536, 1536, False, None), (None, 17920, 1536, False, None),
-                (None, 1536, 8960, False, "silu"), (None, 1536, 8960, False, "gelu"),
-                (None, 151936, 1536, False, None)]
+        lin = [(17, 37, 520, False, "silu"), (64, 70, 130, True, None)]
+        lin += [((1, 24, 60), 2048, 1536, True, None), ((1, 60), 1536, 1536, False, None),
+                ((1, 24, 60), 17920, 1536, False, None), ((1, 24, 60), 1536, 8960, False, "silu"),
+                ((1, 60), 1536, 8960, False, "gelu"), ((1, 60), 151936, 1536, False, None)]
     for dtype in (torch.bfloat16, torch.float32):  # bf16 under the interpreter too (it rounds bf16 down: in tol)
         dn = str(dtype).removeprefix("torch.")
         for M, N, K, bias, act in lin:
-            for m in [M] if M else [1, 4, 16, 60, 64]:
-                for config, err in check_linear(dev, dtype, g, m, N, K, bias, act):
-                    rows.append((f"skinny linear M={m} N={N} K={K} bias={bias} act={act} {config} {dn}", err,
-                                 TOL[dtype]))
+            for m in M if isinstance(M, tuple) else [M]:
+                if dtype == torch.float32 and isinstance(M, tuple) and m == 24:
+                    continue  # fp32 is the lossless checks' dtype, not a decode path: fewer compiles
+                from .triton_layers import skinny_configs
+
+                configs = skinny_configs(m, N, K, dtype == torch.float32)
+
+                def check(m=m, N=N, K=K, bias=bias, act=act, dtype=dtype):
+                    errs = check_linear(dev, dtype, g, m, N, K, bias, act)
+                    return max(e for _, e in errs), " ".join(f"{fmt_config(c)}: {e:.1e}" for c, e in errs)
+
+                yield (f"skinny linear M={m} N={N} K={K} bias={bias} act={act} {dn} configs "
+                       f"{' '.join(fmt_config(c) for c in configs)}", TOL[dtype], check)
     for dtype in dtypes:
         tol = TOL[dtype]
         dn = str(dtype).removeprefix("torch.")
         for d in ([576, 640, 1536] if big else [96, 128]):
-            rows.append((f"add_rms_norm d={d} {dn}", check_norm(dev, dtype, g, d), tol))
-        rows.append((f"act_mul {dn}", check_act(dev, dtype, g, 8960 if big else 200), tol))
+            yield f"add_rms_norm d={d} {dn}", tol, lambda d=d: check_norm(dev, dtype, g, d)
+        yield f"act_mul {dn}", tol, lambda: check_act(dev, dtype, g, 8960 if big else 200)
         for H, KV, D in shapes:
-            rows.append((f"rope_cache_write H={H} KV={KV} D={D} {dn}", check_rope(dev, dtype, g, H, KV, D, False), tol))
-        rows.append((f"rope_cache_write qk-norm {dn}", check_rope(dev, dtype, g, 4, 1, shapes[1][2], True), tol))
-        cases = [(1, 500, 1024, 0, "causal"), (60, 700, 1024, 0, "tree"), (10, 300, 512, 0, "draft"),
-                 (600, 0, 600, 0, "causal"), (60, 400, 512, 128, "tree"), (1, 900, 1024, 512, "causal")] if big else \
-                [(1, 37, 64, 0, "causal"), (12, 20, 48, 0, "tree"), (5, 9, 40, 0, "draft"), (33, 0, 33, 0, "causal"),
-                 (12, 30, 64, 16, "tree"), (1, 150, 256, 0, "causal"), (4, 100, 192, 0, "draft")]  # last two: split
+            yield (f"rope_cache_write H={H} KV={KV} D={D} {dn}", tol,
+                   lambda H=H, KV=KV, D=D: check_rope(dev, dtype, g, H, KV, D, False))
+        yield f"rope_cache_write qk-norm {dn}", tol, lambda: check_rope(dev, dtype, g, 4, 1, shapes[1][2], True)
+        attn = [(1, 500, 1024, 0, "causal"), (60, 700, 1024, 0, "tree"), (10, 300, 512, 0, "draft"),
+                (600, 0, 600, 0, "causal"), (60, 400, 512, 128, "tree"), (1, 900, 1024, 512, "causal")] if big else \
+               [(1, 37, 64, 0, "causal"), (12, 20, 48, 0, "tree"), (5, 9, 40, 0, "draft"), (33, 0, 33, 0, "causal"),
+                (12, 30, 64, 16, "tree"), (1, 150, 256, 0, "causal"), (4, 100, 192, 0, "draft")]  # last two: split
         for H, KV, D in shapes:
-            for T, n, S, w, kind in cases:
-                err = check_attention(dev, dtype, g, H, KV, D, T, n, S, w, kind)
-                rows.append((f"attention {kind} T={T} n={n} S={S} window={w} H={H}/{KV} D={D} {dn}", err, tol))
+            for T, n, S, w, kind in attn:
+                yield (f"attention {kind} T={T} n={n} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
+                       lambda H=H, KV=KV, D=D, T=T, n=n, S=S, w=w, kind=kind:
+                       check_attention(dev, dtype, g, H, KV, D, T, n, S, w, kind))
         paged = [(4, 1, 200, 0, "causal"), (3, 12, 300, 0, "tree"), (5, 7, 250, 64, "causal")] if big else \
                 [(3, 1, 70, 0, "causal"), (2, 6, 40, 0, "tree"), (3, 5, 50, 16, "causal")]
         for H, KV, D in shapes[:2]:
             for B, T, S, w, kind in paged:
-                err = check_paged_attention(dev, dtype, g, H, KV, D, B, T, S, w, kind)
-                rows.append((f"paged attention {kind} B={B} T={T} S={S} window={w} H={H}/{KV} D={D} {dn}", err, tol))
+                yield (f"paged attention {kind} B={B} T={T} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
+                       lambda H=H, KV=KV, D=D, B=B, T=T, S=S, w=w, kind=kind:
+                       check_paged_attention(dev, dtype, g, H, KV, D, B, T, S, w, kind))
         packed = [([(0, 600), (300, 40)], 70, 1024), ([(900, 100)], 200, 1024)] if big else \
                  [([(0, 9), (20, 5)], 3, 48), ([(7, 1)], 4, 40)]
         for H, KV, D in shapes[:2]:
             for chunks, dec, S in packed:
-                err = check_packed_attention(dev, dtype, g, H, KV, D, chunks, dec, S)
-                rows.append((f"packed attention chunks={chunks} decodes={dec} S={S} H={H}/{KV} D={D} {dn}", err, tol))
+                yield (f"packed attention chunks={chunks} decodes={dec} S={S} H={H}/{KV} D={D} {dn}", tol,
+                       lambda H=H, KV=KV, D=D, chunks=chunks, dec=dec, S=S:
+                       check_packed_attention(dev, dtype, g, H, KV, D, chunks, dec, S))
         for arch in ("llama", "qwen2", "gemma3"):
-            rows.append((f"model {arch} prefill+tree {dn}", check_model(dev, dtype, g, arch, 64 if big else 32), tol))
-            rows.append((f"model {arch} batched paged prefill+tree {dn}",
-                         check_model_batched(dev, dtype, g, arch, 64 if big else 32), tol))
-    fails = 0
-    for name, err, tol in rows:
-        ok = err <= tol
-        fails += not ok
-        print(f"{'PASS' if ok else 'FAIL'}  {err:9.2e} <= {tol:.0e}  {name}")
-    print(f"{len(rows) - fails} of {len(rows)} passed")
-    return 1 if fails else 0
+            D = 64 if big else 32
+            yield f"model {arch} prefill+tree {dn}", tol, lambda arch=arch: check_model(dev, dtype, g, arch, D)
+            yield (f"model {arch} batched paged prefill+tree {dn}", tol,
+                   lambda arch=arch: check_model_batched(dev, dtype, g, arch, D))
+
+
+def run(dev: str, big: bool, only: list[str] | None = None) -> int:
+    """Each check printed as it finishes (with its seconds: the first use of a kernel variant compiles it); a
+    check still running after 30 s says so every 30 s (a hang shows where it is)."""
+    import threading
+    import time
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        fix_interpreter()
+    g = torch.Generator().manual_seed(0)
+    done = fails = 0
+    t_all = time.perf_counter()
+    now = {"name": None, "t0": 0.0}
+    stop = threading.Event()
+
+    def watch():  # a plain thread, no faulthandler: dumping a running thread's stack can crash the interpreter
+        while not stop.wait(30):
+            if now["name"] and time.perf_counter() - now["t0"] > 30:
+                print(f"...   still running after {time.perf_counter() - now['t0']:.0f} s: {now['name']}",
+                      flush=True)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        for name, tol, check in cases(dev, big, g):
+            if only and not any(o in name for o in only):
+                continue
+            now["name"], now["t0"] = name, time.perf_counter()
+            got = check()
+            err, detail = got if isinstance(got, tuple) else (got, "")
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            ok = err <= tol
+            done, fails = done + 1, fails + (not ok)
+            secs = time.perf_counter() - now["t0"]
+            print(f"{'PASS' if ok else 'FAIL'}  {err:9.2e} <= {tol:.0e}  {name}  ({secs:.1f} s)"
+                  + ("" if ok or not detail else f"\n      per config: {detail}"), flush=True)
+            now["name"] = None
+    finally:
+        stop.set()
+    print(f"{done - fails} of {done} passed in {time.perf_counter() - t_all:.0f} s", flush=True)
+    return 1 if fails or not done else 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="small shapes only (the CPU interpreter's)")
+    p.add_argument("--only", nargs="+", metavar="TEXT", help="only the checks whose name contains one of these "
+                   "(e.g. 'skinny linear', 'attention', 'model')")
     a = p.parse_args()
-    return run(a.device, big=a.device == "cuda" and not a.small)
+    return run(a.device, big=a.device == "cuda" and not a.small, only=a.only)
 
 
 if __name__ == "__main__":

@@ -205,6 +205,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
 SKINNY_ROWS = 64  # rows up to which a projection may run the Triton skinny GEMM (decode, draft and verify steps)
 MARGIN = 0.97  # the skinny GEMM replaces cuBLAS only when at least 3% faster (timing noise must not flip choices)
 _LINEAR: dict[tuple, dict] = {}  # per process: (device, N, K, rows bucket, dtype, bias, act) -> the measurement
+_DISK: dict[str, dict] | None = None  # the measurements of earlier processes (choices_path), read once
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
@@ -236,10 +237,80 @@ def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a
     key = (x.device, *w.shape, 1 << (M - 1).bit_length(), x.dtype, bias is not None, act)
     got = _LINEAR.get(key)
     if got is None:
+        disk = _disk_key(key)
+        got = _choices().get(disk)
+        if got is not None:
+            got = _LINEAR[key] = {**got, "config": got["config"] and tuple(got["config"])}
+            return got
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return {"config": None}
         got = _LINEAR[key] = _measure_linear(x, w, bias, act)
+        if got.pop("measured", False):
+            _remember(disk, got)
     return got
+
+
+def choices_path() -> str | None:
+    """Where linear_choice keeps its measurements across processes (a fresh process then compiles only the
+    configs it runs and times nothing): MICROSPEC_LINEAR_CHOICES, else linear_choices.json in the model cache
+    (MICROSPEC_CACHE, else ~/.cache/microspec). MICROSPEC_LINEAR_CHOICES=off: measure in every process. Delete
+    the file to measure again; entries are keyed by GPU, torch, triton and the kernels' source, so a changed
+    kernel or machine is measured afresh."""
+    got = os.environ.get("MICROSPEC_LINEAR_CHOICES")
+    if got == "off":
+        return None
+    cache = os.environ.get("MICROSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "microspec")
+    return got or os.path.join(cache, "linear_choices.json")
+
+
+def _disk_key(key: tuple) -> str:
+    import hashlib
+
+    import triton
+
+    dev = key[0]
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    src = open(os.path.join(os.path.dirname(__file__), "triton_layers.py"), "rb").read()
+    version = (f"torch {torch.__version__} triton {triton.__version__} kernels {hashlib.sha1(src).hexdigest()[:12]} "
+               f"margin {MARGIN}")
+    return " | ".join([name, version, *map(str, key[1:])])
+
+
+def _choices() -> dict[str, dict]:
+    global _DISK
+    if _DISK is None:
+        import json
+
+        path, _DISK = choices_path(), {}
+        try:
+            if path and os.path.exists(path):
+                _DISK = json.loads(open(path).read())
+        except (OSError, ValueError) as e:  # a damaged file: measure again (and overwrite it)
+            warnings.warn(f"{path} unreadable, the projections are measured again: {e}")
+    return _DISK
+
+
+def _remember(disk_key: str, got: dict) -> None:
+    """Add one measurement to the file (read again first: other processes may have added theirs; replaced
+    whole, so a reader never sees half a file). Failing to write only costs the next process a measurement."""
+    import json
+
+    path = choices_path()
+    _choices()[disk_key] = {**got, "config": got["config"] and list(got["config"])}
+    if not path:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            merged = {**json.loads(open(path).read()), **_DISK}
+        except (OSError, ValueError):
+            merged = dict(_DISK)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(merged, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"linear choices not saved to {path}: {e}")
 
 
 def _measure_linear(x, w, bias, act) -> dict:
@@ -275,6 +346,7 @@ def _measure_linear(x, w, bias, act) -> dict:
                 res["triton_us"], best = us, config
         if res["triton_us"] is not None and res["triton_us"] < MARGIN * res["torch_us"]:
             res["config"] = best
+        res["measured"] = True  # worth keeping for later processes
     except Exception as e:  # measuring must never break a run: cuBLAS is correct
         warnings.warn(f"skinny GEMM not measured for {tuple(w.shape)}, using cuBLAS: {e}")
         res["config"] = None

@@ -37,6 +37,7 @@ from ..models.registry import UserError
 from ..spec.tree import causal
 
 COPY_BW = 4.2e12  # bytes/s, read + written, a large device-to-device copy on the H200
+PEAK_BW = 4.8e12  # bytes/s, the H200's HBM3e peak (its data sheet): the projection A/B's "% peak"
 DEVICE = "cuda"
 CONTEXT = 1024  # committed positions the draft layer attends to
 STATIC_K = 32768
@@ -217,6 +218,104 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
     return out
 
 
+def model_projections(cfg: dict, dev, dtype=torch.bfloat16) -> list[tuple]:
+    """Random weights (scaled 1 / sqrt(K)) of one decoder layer's projections, the EAGLE draft's fc and the LM
+    head at a model shape of SHAPES: [(name, weight, bias, act)], as layers.linear is called with them."""
+    d, i, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    g = torch.Generator(device=dev).manual_seed(3)
+
+    def w(n, k):
+        return (torch.randn(n, k, generator=g, device=dev) / k ** 0.5).to(dtype)
+
+    qkv = (cfg["num_heads"] + 2 * cfg["num_kv_heads"]) * hd
+    bias = torch.randn(qkv, generator=g, device=dev).to(dtype) if cfg.get("attention_bias") else None
+    act = "gelu" if cfg["arch"] == "gemma3" else "silu"
+    return [(f"q|k|v{' (+bias)' if bias is not None else ''}", w(qkv, d), bias, None),
+            ("O", w(d, cfg["num_heads"] * hd), None, None), ("gate|up", w(2 * i, d), None, None),
+            (f"down ({act} x up)", w(d, i), None, act), ("EAGLE fc (2d -> d)", w(d, 2 * d), None, None),
+            ("LM head", w(cfg["vocab_size"], d), None, None)]
+
+
+def projection_ab(projections: list[tuple], rows: list[int], timer: "Timer", tag: str = "") -> list[dict]:
+    """Each projection (name, weight, bias, act) at each row count: cuBLAS (F.linear, after act_mul for the down
+    projection), every skinny-GEMM config (the best one kept), and the default path (layers.linear: what the
+    model runs, the skinny GEMM where it measured >= 3% faster at first use, else cuBLAS); microseconds, GB/s of
+    the bytes the projection must move (weight, bias, input, output), % of PEAK_BW. A line per shape as it goes."""
+    from plugins import layers
+    from plugins import triton_layers as tk
+
+    out = []
+    with torch.no_grad():
+        for M in rows:
+            for name, w, b, act in projections:
+                N, K = w.shape
+                g = torch.Generator(device=w.device).manual_seed(M)
+                x = torch.randn(M, 2 * K if act else K, generator=g, device=w.device).to(w.dtype)
+                nbytes = (w.numel() + (0 if b is None else b.numel()) + x.numel() + M * N) * w.element_size()
+                cublas = timer(lambda: F.linear(layers.act_mul(x, act == "gelu") if act else x, w, b))
+                default = timer(lambda: layers.linear(x, w, b, act))
+                skinny = M <= layers.SKINNY_ROWS
+                pick = layers.linear_choice(x, w, b, act)["config"] if skinny else None
+                best, best_cfg = None, None
+                for cfg in tk.skinny_configs(M, N, K, w.dtype == torch.float32) if skinny else []:
+                    us = timer(lambda cfg=cfg: tk.skinny_linear(x, w, b, act, cfg))
+                    if best is None or us < best:
+                        best, best_cfg = us, cfg
+                r = dict(rows=M, projection=name, n=N, k=K, mb=nbytes / 1e6, cublas_us=cublas,
+                         cublas_gb_s=nbytes / cublas / 1e3, cublas_pct=100 * nbytes / cublas / 1e6 / (PEAK_BW / 1e12),
+                         skinny_us=best, skinny_config=best_cfg and list(best_cfg),
+                         skinny_gb_s=best and nbytes / best / 1e3,
+                         skinny_pct=best and 100 * nbytes / best / 1e6 / (PEAK_BW / 1e12),
+                         default_us=default, default_pct=100 * nbytes / default / 1e6 / (PEAK_BW / 1e12),
+                         default_runs=f"skinny {tuple(pick)}" if pick else "cuBLAS")
+                out.append(r)
+                sk = "-" if best is None else (f"{best:7.1f} us {r['skinny_gb_s']:5.0f} GB/s {r['skinny_pct']:3.0f}% "
+                                               f"{tuple(best_cfg)}")
+                print(f"{tag}rows {M:3d} {name:20s} {N:6d} x {K:5d}: cuBLAS {cublas:7.1f} us "
+                      f"{r['cublas_gb_s']:5.0f} GB/s {r['cublas_pct']:3.0f}% | skinny {sk} | default {default:7.1f} us "
+                      f"({r['default_runs']})", flush=True)
+    return out
+
+
+def projection_lines(proj_rows: list[dict]) -> list[str]:
+    """The markdown table of projection_ab's rows."""
+    def cell(name):
+        return name.replace("|", "\\|")
+
+    lines = ["| rows | projection | N x K | MB | cuBLAS us | GB/s | % peak | skinny us | GB/s | % peak | "
+             "config (BLOCK_N, BLOCK_K, splits) | skinny / cuBLAS | default us | % peak | default runs |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    for r in proj_rows:
+        sk = "- | - | - | - | -" if r["skinny_us"] is None else (
+            f"{r['skinny_us']:.1f} | {r['skinny_gb_s']:.0f} | {r['skinny_pct']:.0f} | {tuple(r['skinny_config'])} | "
+            f"{r['skinny_us'] / r['cublas_us']:.2f}")
+        lines.append(f"| {r['rows']} | {cell(r['projection'])} | {r['n']} x {r['k']} | {r['mb']:.2f} | "
+                     f"{r['cublas_us']:.1f} | {r['cublas_gb_s']:.0f} | {r['cublas_pct']:.0f} | {sk} | "
+                     f"{r['default_us']:.1f} | {r['default_pct']:.0f} | {r['default_runs']} |")
+    return lines
+
+
+def layers_ab(a, timer: Timer) -> None:
+    """bench-kernels --layers: projection_ab at each --shapes model shape, random weights."""
+    rows = []
+    for name in a.shapes:
+        print(f"bench-kernels --layers: {name} ...", flush=True)
+        rows += [dict(shape=name, **r) for r in
+                 projection_ab(model_projections(SHAPES[name], DEVICE), a.rows, timer, tag=f"{name} ")]
+        torch.cuda.empty_cache()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=a.iters, peak_bw=PEAK_BW)
+    lines = [f"# bench-kernels --layers on {meta['device']}", "",
+             f"torch {meta['torch']}; medians of {a.iters} CUDA-graph replays, L2 flushed before each; random bf16 "
+             f"weights of each model's shapes; GB/s of the bytes a projection must move (weight, bias, input, "
+             f"output), % of the {PEAK_BW / 1e12:.1f} TB/s HBM peak (a large copy reaches "
+             f"{COPY_BW / 1e12:.1f} TB/s: {100 * COPY_BW / PEAK_BW:.0f}%). skinny: the fastest config; default: "
+             f"what layers.linear runs (the skinny GEMM where it measured >= 3% faster than cuBLAS at first use).",
+             ""]
+    for name in a.shapes:
+        lines += [f"## {name}", ""] + projection_lines([r for r in rows if r["shape"] == name]) + [""]
+    write_report(a.out, "\n".join(lines), dict(meta=meta, rows=rows))
+
+
 def targets(rows: list[dict], launch: float) -> list[dict]:
     """The issue's targets, each per shape and row count where it applies."""
     by = {(r["shape"], r["rows"], r["kernel"].split(" (")[0]): r for r in rows}
@@ -290,6 +389,12 @@ def run(a) -> None:
         print(f"bench-kernels: WARNING: ops run the torch reference (backend {plugins.BACKEND}, "
               f"MICROSPEC_PLUGINS={plugins.MODE}); the figures are the reference's", flush=True)
     timer = Timer(a.iters)
+    if a.layers:
+        a.shapes, a.rows = a.shapes or ["qwen2.5-1.5b"], a.rows or [1, 4, 16, 32, 60]
+        layers_ab(a, timer)
+        faulthandler.cancel_dump_traceback_later()
+        return
+    a.shapes, a.rows = a.shapes or list(SHAPES), a.rows or [1, 10, 60]
     tiny = torch.zeros(1, device="cuda")
     launch = timer(lambda: tiny.add_(1))
     rows = []
@@ -309,8 +414,12 @@ def register(sub) -> None:
     p = sub.add_parser("bench-kernels", help="time MicroSpec's kernels and draft steps on the GPU",
                        description=__doc__)
     p.add_argument("--out", help="write the markdown table to this file and JSON beside it (.json)")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--rows", nargs="+", type=int, default=[1, 10, 60], help="hidden-state rows per head call")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="model shapes (default: all four; --layers: "
+                   "qwen2.5-1.5b)")
+    p.add_argument("--rows", nargs="+", type=int, help="hidden-state rows per head call (default 1 10 60; --layers: "
+                   "1 4 16 32 60)")
+    p.add_argument("--layers", action="store_true", help="instead: the decoder layer's projections, EAGLE's fc and "
+                   "the LM head, cuBLAS vs each skinny-GEMM config vs the default path, GB/s and %% of HBM peak")
     p.add_argument("--iters", type=int, default=30, help="timed replays per figure (median)")
     p.add_argument("--w-max", type=int, default=3072)
     p.add_argument("--step-ids", type=int, default=250, help="ids appended to the window per step")

@@ -24,7 +24,6 @@ import argparse
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
 from plugins import layers
 from plugins.layers import KV_BLOCK
@@ -33,7 +32,7 @@ from plugins.check_layers import random_tree
 from ..models.model import KVCache, Span
 from ..models.registry import UserError
 from ..spec.tree import TreeConfig, causal, draft_tree, verify
-from .kernels import COPY_BW, Timer, write_report
+from .kernels import COPY_BW, PEAK_BW, Timer, projection_ab, projection_lines, write_report
 
 
 def count_kernels(fn) -> int:
@@ -234,42 +233,13 @@ def layer_table(target, n, S, timer) -> list[dict]:
 
 def projection_table(target, rows: list[int], timer) -> list[dict]:
     """Layer 0's projections and the LM head at each row count: cuBLAS, the fastest skinny config, the default."""
-    from plugins import triton_layers as tk
-
     layer = target.layers[0]
     at, mlp = layer.self_attn, layer.mlp
     act = "gelu" if mlp.gelu else "silu"
     projections = [("q|k|v (+bias)", at.qkv_proj.weight, at.qkv_proj.bias, None), ("O", at.o_proj.weight, None, None),
                    ("gate|up", mlp.gate_up_proj.weight, None, None),
                    (f"down ({act} x up)", mlp.down_proj.weight, None, act), ("LM head", target.head_weight, None, None)]
-    g = torch.Generator(device=target.head_weight.device).manual_seed(2)
-    out = []
-
-    def pct(nbytes, us):
-        return 100 * nbytes / us / 1e6 / (COPY_BW / 1e12)
-
-    with torch.no_grad():
-        for M in rows:
-            for name, w, b, a in projections:
-                N, K = w.shape
-                x = torch.randn(M, 2 * K if a else K, generator=g, device=w.device).to(w.dtype)
-                nbytes = (w.numel() + (0 if b is None else b.numel()) + x.numel() + M * N) * w.element_size()
-                cublas = timer(lambda: F.linear(layers.act_mul(x, a == "gelu") if a else x, w, b))
-                default = timer(lambda: layers.linear(x, w, b, a))
-                pick = layers.linear_choice(x, w, b, a)["config"] if M <= layers.SKINNY_ROWS else None
-                best, best_cfg = None, None
-                for cfg in tk.skinny_configs(M, N, K, w.dtype == torch.float32) if M <= layers.SKINNY_ROWS else []:
-                    us = timer(lambda cfg=cfg: tk.skinny_linear(x, w, b, a, cfg))
-                    if best is None or us < best:
-                        best, best_cfg = us, cfg
-                out.append(dict(rows=M, projection=name, n=N, k=K, mb=nbytes / 1e6, cublas_us=cublas,
-                                cublas_pct=pct(nbytes, cublas), skinny_us=best,
-                                skinny_config=best_cfg and list(best_cfg),
-                                skinny_pct=best and pct(nbytes, best), default_us=default,
-                                default_pct=pct(nbytes, default), default_runs=f"skinny {pick}" if pick else "cuBLAS"))
-                print(f"profile: rows {M:3d} {name:22s} cuBLAS {cublas:7.1f} us, skinny {best or 0:7.1f} us, "
-                      f"default {default:7.1f} us ({out[-1]['default_runs']})", flush=True)
-    return out
+    return projection_ab(projections, rows, timer, tag="profile: ")
 
 
 def cell(name: str) -> str:
@@ -291,16 +261,7 @@ def markdown(rows, layer_rows, proj_rows, meta) -> str:
         lines.append(f"| {cell(r['piece'])} | {r['us']:.1f} | {r['mb']:.2f} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} |")
     lines += ["", "Projections (layer 0) and the LM head: cuBLAS vs the fastest skinny-GEMM config vs the default "
               "path (what the model runs: the skinny GEMM where it measured >= 3% faster at first use, else cuBLAS); "
-              "us and % of copy bandwidth:", "",
-              "| rows | projection | N x K | MB | cuBLAS us | % BW | skinny us | % BW | "
-              "config (BLOCK_N, BLOCK_K, splits) | default us | % BW | default runs |",
-              "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
-    for r in proj_rows:
-        sk = "- | -" if r["skinny_us"] is None else f"{r['skinny_us']:.1f} | {r['skinny_pct']:.0f}"
-        lines.append(f"| {r['rows']} | {cell(r['projection'])} | {r['n']} x {r['k']} | {r['mb']:.2f} | "
-                     f"{r['cublas_us']:.1f} | {r['cublas_pct']:.0f} | {sk} | "
-                     f"{r['skinny_config'] and tuple(r['skinny_config'])} | {r['default_us']:.1f} | "
-                     f"{r['default_pct']:.0f} | {r['default_runs']} |")
+              f"% of the {PEAK_BW / 1e12:.1f} TB/s HBM peak:", ""] + projection_lines(proj_rows)
     return "\n".join(lines) + "\n"
 
 
