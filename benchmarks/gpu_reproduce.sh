@@ -6,9 +6,11 @@
 #   checks     the custom ops and the Triton layer kernels against their torch references (random inputs)
 #   profile    per-phase time and kernel counts of a decode step, default path vs the torch reference; one layer's
 #              pieces; each projection: cuBLAS vs the skinny GEMM vs the default
-#   kernels-ab the skinny GEMM's configs against the torch reference at qwen2.5-coder-1.5b's shapes, then each
-#              projection (q|k|v, O, gate|up, down, EAGLE fc, LM head) at rows AB_ROWS on random weights: cuBLAS vs
-#              the fastest skinny config vs the default path, GB/s and % of 4.8 TB/s (~1 min on an H200; no engine)
+#   kernels-ab the skinny GEMM's configs (plain, and with the add + RMSNorm in its prologue) against the torch
+#              reference at qwen2.5-coder-1.5b's shapes, then each projection (q|k|v, O, gate|up, down, EAGLE fc,
+#              LM head) at rows AB_ROWS on random weights: cuBLAS vs the fastest skinny config vs the default path,
+#              GB/s and % of 4.8 TB/s; the add + RMSNorm fold vs unfused, and one decoder layer with the fold off
+#              vs the default (launches counted). No engine needed.
 #   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16, alone and batched
 #              (the batched engine's CUDA graphs, padding rows included)
 #   train      train an EAGLE head for KEY into $HEAD (<= TRAIN_LIMIT s wall, caching included), with --eval
@@ -61,8 +63,9 @@ for stage in "$@"; do
     profile)
       ms profile --engine "$KEY" --out "$OUT/profile_$KEY.md" ;;
     kernels-ab)
-      { python3 -m plugins.check_layers --only "skinny linear" || echo "check_layers FAILED (the A/B still runs:" \
-          "a skinny config that disagrees with cuBLAS at first use is never picked)"; } | tee "$OUT/check_skinny.txt"
+      { python3 -m plugins.check_layers --only "skinny linear" norm_linear || echo "check_layers FAILED (the A/B" \
+          "still runs: a config that disagrees with the unfused path at first use is never picked)"; } \
+        | tee "$OUT/check_skinny.txt"
       ms bench-kernels --layers --rows $AB_ROWS --iters 20 --out "$OUT/kernels_ab.md" ;;
     lossless)
       python3 - "$KEY" "$OUT/random_head" <<'EOF'

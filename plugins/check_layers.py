@@ -83,7 +83,29 @@ def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | N
             for c in skinny_configs(M, N, K, dtype == torch.float32)]
 
 
-def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, act: bool, bias: bool):
+def check_norm_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, has_delta: bool,
+                      offset: float) -> list[tuple[tuple, float]]:
+    """The residual add + RMSNorm folded into the skinny GEMM (every config) against add_rms_norm + F.linear:
+    the larger error of the new residual and the output."""
+    from .triton_layers import skinny_configs, skinny_norm_linear
+
+    gd = torch.Generator(device=dev).manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    res = (torch.randn(M, K, generator=gd, device=dev) * 3).to(dtype)
+    delta = torch.randn(M, K, generator=gd, device=dev).to(dtype) if has_delta else None
+    nw = torch.randn(K, generator=gd, device=dev).to(dtype)
+    w = (torch.randn(N, K, generator=gd, device=dev) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=gd, device=dev).to(dtype) if bias else None
+    with layers.path(False):
+        ref_res, ref = layers.norm_linear(res, delta, nw, 1e-6, offset, w, b)
+    out = []
+    for c in skinny_configs(M, N, K, dtype == torch.float32):
+        got_res, got = skinny_norm_linear(res, delta, nw, 1e-6, offset, w, b, c)
+        out.append((c, max(rel(got, ref), rel(got_res, ref_res))))
+    return out
+
+
+def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, act: bool, bias: bool,
+                            norm: bool = False):
     """Compile the skinny GEMM for sm_90 without a GPU (Triton's own ptxas), with the 16-divisibility Triton
     infers for real shapes: -> (shared memory bytes, whether the K loop is pipelined through cp.async)."""
     from triton import compile as build
@@ -94,12 +116,15 @@ def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, ac
 
     dt = "fp32" if fp32 else "bf16"
     block_n, block_k, splits = config
-    const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64,
-                 BLOCK_N=block_n, BLOCK_K=block_k, IEEE=fp32)
+    const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, NORM=norm, HAS_DELTA=norm,
+                 BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=fp32)
     sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}, "part_ptr": "*fp32",
-           **{n: "i32" for n in ("M", "N", "K", "k_split", "stride_xm")}, **{k: "constexpr" for k in const}}
+           **{p: f"*{dt}" for p in ("d_ptr", "nw_ptr", "res_ptr")}, "sq_ptr": "*fp32",
+           **{n: "i32" for n in ("M", "N", "K", "k_split", "stride_xm")}, "eps": "fp32", "offset": "fp32",
+           **{k: "constexpr" for k in const}}
     names = _skinny_kernel.arg_names
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in const and n != "M"}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig
+             if n not in const and n not in ("M", "eps", "offset")}
     k = build(ASTSource(_skinny_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
               options=dict(num_warps=4, num_stages=3 if fp32 or M > 16 else 4))
     return k.metadata.shared, "cp.async" in k.asm["ptx"]
@@ -384,6 +409,27 @@ def cases(dev: str, big: bool, g):
 
                 yield (f"skinny linear M={m} N={N} K={K} bias={bias} act={act} {dn} configs "
                        f"{' '.join(fmt_config(c) for c in configs)}", TOL[dtype], check)
+    # (rows, N, K, bias, delta, offset): the add + RMSNorm in the q|k|v and gate|up GEMMs' prologue
+    nl = [(1, 37, 300, True, True, 0.0), (17, 50, 520, False, True, 1.0), (33, 20, 96, False, False, 0.0)]
+    if big:
+        nl = [(17, 50, 520, False, True, 1.0), ((1, 24, 60), 2048, 1536, True, True, 0.0),
+              ((1, 60), 17920, 1536, False, True, 0.0), ((1,), 2048, 1536, True, False, 1.0)]
+    for dtype in (torch.bfloat16, torch.float32):
+        dn = str(dtype).removeprefix("torch.")
+        for M, N, K, bias, delta, offset in nl:
+            for m in M if isinstance(M, tuple) else [M]:
+                if dtype == torch.float32 and isinstance(M, tuple) and m == 24:
+                    continue
+                from .triton_layers import skinny_configs
+
+                configs = skinny_configs(m, N, K, dtype == torch.float32)
+
+                def check(m=m, N=N, K=K, bias=bias, delta=delta, offset=offset, dtype=dtype):
+                    errs = check_norm_linear(dev, dtype, g, m, N, K, bias, delta, offset)
+                    return max(e for _, e in errs), " ".join(f"{fmt_config(c)}: {e:.1e}" for c, e in errs)
+
+                yield (f"norm_linear (add + RMSNorm in the skinny GEMM) M={m} N={N} K={K} bias={bias} add={delta} "
+                       f"offset={offset:g} {dn} configs {' '.join(fmt_config(c) for c in configs)}", TOL[dtype], check)
     for dtype in dtypes:
         tol = TOL[dtype]
         dn = str(dtype).removeprefix("torch.")

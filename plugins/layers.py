@@ -4,7 +4,8 @@ path, training under autograd, and what the checks compare against); on CUDA, ou
 Triton kernel of plugins/triton_layers.py instead, one launch per call (attention: one, plus a split combine for
 long spans; prefill spans of LONG_ROWS rows or more stay on the reference, whose SDPA is faster there). The
 projections run their skinny GEMM only at 1-64 rows and only where it measured faster than cuBLAS for the shape
-(`linear_choice`), so that default is never slower than F.linear.
+(`linear_choice`), so that default is never slower than F.linear; `norm_linear` folds the residual add + RMSNorm
+into the next projection's skinny GEMM likewise only where that measured faster than the two calls.
 MICROSPEC_PLUGINS=torch keeps the reference everywhere (A/B runs)."""
 from __future__ import annotations
 
@@ -204,6 +205,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
 
 SKINNY_ROWS = 64  # rows up to which a projection may run the Triton skinny GEMM (decode, draft and verify steps)
 MARGIN = 0.97  # the skinny GEMM replaces cuBLAS only when at least 3% faster (timing noise must not flip choices)
+FUSE = os.environ.get("MICROSPEC_FUSE", "1") != "0"  # norm_linear may fold the add + RMSNorm into its GEMM
+# (0: never, for A/B runs of the whole model; bench-kernels --layers switches it per measurement)
 _LINEAR: dict[tuple, dict] = {}  # per process: (device, N, K, rows bucket, dtype, bias, act) -> the measurement
 _DISK: dict[str, dict] | None = None  # the measurements of earlier processes (choices_path), read once
 
@@ -231,10 +234,57 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, a
 
 def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, act: str | None) -> dict:
     """What `linear` runs for this call's shape: measured on the first eager call of each (shape, rows bucket)
-    in this process and kept. {"config": None (cuBLAS) or a skinny_configs entry, "torch_us", "triton_us"}.
-    Inside a CUDA-graph capture nothing can be timed: an unmeasured shape takes cuBLAS there (not kept)."""
+    and kept, in this process and in the choices file (choices_path). {"config": None (cuBLAS) or a
+    skinny_configs entry, "torch_us", "triton_us"}. Inside a CUDA-graph capture nothing can be timed: an
+    unmeasured shape takes cuBLAS there (not kept)."""
+    from . import triton_layers as tk
+
+    def ref():
+        return F.linear(act_mul(x, act == "gelu") if act else x, w, bias)
+
+    return _choice(x, w, bias is not None, act, ref, lambda config: tk.skinny_linear(x, w, bias, act, config))
+
+
+def norm_linear(res: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, offset: float,
+                w: torch.Tensor, bias: torch.Tensor | None = None,
+                delta_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(res, delta, norm_w, eps, offset, delta_w), then linear(normed, w, bias) -> (new residual,
+    out). On CUDA outside autograd, up to SKINNY_ROWS rows and without delta_w (Gemma's post-norms need the
+    delta's own row norm first), the add and the norm ride in the skinny GEMM's prologue
+    (triton_layers.skinny_norm_linear: one launch instead of two or three) where that measured faster than the
+    two calls (norm_linear_choice)."""
+    M = res.shape[0]
+    if (FUSE and delta_w is None and 0 < M <= SKINNY_ROWS and fast(res, delta, norm_w, w, bias) and w.is_contiguous()
+            and res.is_contiguous()
+            and (delta is None or delta.is_contiguous()) and w.numel() < 2 ** 31):
+        from . import triton_layers as tk
+
+        if _FORCE:  # the checks: always the fused kernel (a split config where the shape has one)
+            config = tk.skinny_configs(M, *w.shape, res.dtype == torch.float32)[-1]
+        else:
+            config = norm_linear_choice(res, delta, norm_w, eps, offset, w, bias)["config"]
+        if config is not None:
+            return tk.skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config)
+    res, h = add_rms_norm(res, delta, norm_w, eps, offset, delta_w)
+    return res, linear(h, w, bias)
+
+
+def norm_linear_choice(res, delta, norm_w, eps, offset, w, bias) -> dict:
+    """What `norm_linear` runs for this shape: the fused kernel's fastest config, or None (add_rms_norm then
+    linear, each on its own default path), measured and kept as linear_choice's."""
+    from . import triton_layers as tk
+
+    def ref():
+        r, h = add_rms_norm(res, delta, norm_w, eps, offset)
+        return linear(h, w, bias)
+
+    return _choice(res, w, bias is not None, "norm+add" if delta is not None else "norm", ref,
+                   lambda config: tk.skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config)[1])
+
+
+def _choice(x, w, has_bias: bool, kind: str | None, ref, kernel) -> dict:
     M = x.shape[0]
-    key = (x.device, *w.shape, 1 << (M - 1).bit_length(), x.dtype, bias is not None, act)
+    key = (x.device, *w.shape, 1 << (M - 1).bit_length(), x.dtype, has_bias, kind)
     got = _LINEAR.get(key)
     if got is None:
         disk = _disk_key(key)
@@ -244,7 +294,7 @@ def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a
             return got
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return {"config": None}
-        got = _LINEAR[key] = _measure_linear(x, w, bias, act)
+        got = _LINEAR[key] = _measure(x, w, ref, kernel)
         if got.pop("measured", False):
             _remember(disk, got)
     return got
@@ -313,13 +363,11 @@ def _remember(disk_key: str, got: dict) -> None:
         warnings.warn(f"linear choices not saved to {path}: {e}")
 
 
-def _measure_linear(x, w, bias, act) -> dict:
-    """Time cuBLAS (act_mul + F.linear) and each skinny config on this very input, L2 flushed before each replay
-    (a decode step finds its weights cold); a config must also match cuBLAS's output. Any failure: cuBLAS."""
+def _measure(x, w, ref, kernel) -> dict:
+    """Time ref() (the path without the skinny GEMM) and kernel(config) for each skinny config on this very input,
+    L2 flushed before each replay (a decode step finds its weights cold); a config must also match ref's output.
+    Any failure: ref."""
     from . import triton_layers as tk
-
-    def ref():
-        return F.linear(act_mul(x, act == "gelu") if act else x, w, bias)
 
     res = {"config": None, "torch_us": None, "triton_us": None}
     try:
@@ -330,7 +378,7 @@ def _measure_linear(x, w, bias, act) -> dict:
         tol = 1e-4 if x.dtype == torch.float32 else 1e-2
         for config in tk.skinny_configs(x.shape[0], *w.shape, x.dtype == torch.float32, props.multi_processor_count):
             def fn(config=config):
-                return tk.skinny_linear(x, w, bias, act, config)
+                return kernel(config)
 
             try:
                 got = fn()

@@ -7,7 +7,9 @@ CUDA graphs and one captured step serves every n.
 Per layer: add+RMSNorm, [QKV GEMM], rotary+cache write, attention (+ a combine when the span is split),
 [O GEMM], add+RMSNorm, [gate|up GEMM], activation, [down GEMM]: 9-10 launches. The bracketed GEMMs are cuBLAS
 or, at 1-64 rows where it measured faster, the skinny GEMM below (+ a sum kernel when it splits K); its down
-projection applies the activation itself, one launch fewer."""
+projection applies the activation itself, and its q|k|v and gate|up projections can take the add + RMSNorm
+before them into their prologue (skinny_norm_linear), each fold one launch fewer: 6 launches a layer when
+every fold is picked and nothing splits."""
 from __future__ import annotations
 
 import os
@@ -280,13 +282,19 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
 # fp32 partials are summed in a fixed order by a second small kernel (deterministic, no atomics, no counters to
 # reset). ACT folds the gated activation into the prologue: x is then gate | up [M, 2K] and the program
 # multiplies act(gate) * up (rounded as act_mul rounds) while loading, so the down projection needs no separate
-# activation launch. layers.linear picks a config (or cuBLAS) per shape by measurement.
+# activation launch. NORM folds the residual add + RMSNorm in: x is the residual, the program adds delta
+# (rounded), writes the sum (first column block only), weights it by the norm's (offset + w) and sums the rows'
+# squares; 1 / rms scales the output at the end (after the split sum when K is split: a row's norm needs all of
+# K), so nothing waits for a separate norm launch. It differs from add_rms_norm + GEMM only in rounding: the
+# normed row is not rounded before the 1 / rms scale. layers.linear / layers.norm_linear pick a config (or the
+# unfused path) per shape by measurement.
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, k_split, stride_xm,
-                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_ptr, sq_ptr, M, N, K, k_split,
+                   stride_xm, eps, offset, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU: tl.constexpr,
+                   SPLIT: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -295,17 +303,28 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, k_split, str
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sq = tl.zeros([BLOCK_M], tl.float32)  # NORM: the rows' sum of squares over this K range
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < k_hi
         w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x_at = x_ptr + rm[:, None] * stride_xm + kk[None, :]
+        x_off = rm[:, None] * stride_xm + kk[None, :]
         x_ok = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_at, mask=x_ok, other=0.0)
+        x = tl.load(x_ptr + x_off, mask=x_ok, other=0.0)
         if ACT:  # x is the gate; up sits K columns further
-            u = tl.load(x_at + K, mask=x_ok, other=0.0)
+            u = tl.load(x_ptr + x_off + K, mask=x_ok, other=0.0)
             a = _act(x.to(tl.float32), GELU).to(x.dtype).to(tl.float32)
             x = (a * u.to(tl.float32)).to(u.dtype)
+        if NORM:  # x is the residual: add delta (rounded, as add_rms_norm), write the sum once (the first
+            # column block), weight by the norm's (offset + w); the rows' 1 / rms scales the sums at the end
+            if HAS_DELTA:
+                dl = tl.load(d_ptr + x_off, mask=x_ok, other=0.0)
+                x = (x.to(tl.float32) + dl.to(tl.float32)).to(dl.dtype)
+                tl.store(res_ptr + x_off, x, mask=x_ok & (pid_n == 0))
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (xf * (offset + nw)[None, :]).to(x.dtype)
         if IEEE:  # fp32, or the interpreter (its dot mishandles bf16): exact products, fp32 sums
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -314,19 +333,29 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, k_split, str
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + pid_k * M * N + out, acc, mask=ok)
+        if NORM:
+            tl.store(sq_ptr + pid_k * M + rm, sq, mask=m_ok & (pid_n == 0))
     else:
+        if NORM:
+            acc = acc * tl.rsqrt(sq / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(part_ptr, b_ptr, sq_ptr, out_ptr, MN, M, N, K, splits, eps, HAS_BIAS: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros([BLOCK], tl.float32)
+    sq = tl.zeros([BLOCK], tl.float32)
     for s in range(0, splits):  # in split order: the same sum every run
         acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+        if NORM:
+            sq += tl.load(sq_ptr + s * M + offs // N, mask=ok, other=0.0)
+    if NORM:
+        acc = acc * tl.rsqrt(sq / K + eps)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -347,6 +376,21 @@ def skinny_configs(M: int, N: int, K: int, fp32: bool, sms: int = 132) -> list[t
 
 def skinny_linear(x, w, bias, act, config):
     """x [M, K] (act: gate | up [M, 2K], act 'silu' or 'gelu') @ w [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    assert x.stride(1) == 1 and x.shape[1] == (2 * w.shape[1] if act else w.shape[1])
+    return _skinny(x, w, bias, act, config)
+
+
+def skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config):
+    """RMSNorm(res + delta) by norm_w (scaled by offset + w, as add_rms_norm) @ w^T (+ bias) in one launch (two
+    when K is split) -> (res + delta, out); delta None: (res, RMSNorm(res) @ w^T)."""
+    import torch
+
+    assert res.is_contiguous() and (delta is None or delta.is_contiguous()) and res.shape[1] == w.shape[1]
+    new_res = torch.empty_like(res) if delta is not None else res
+    return new_res, _skinny(res, w, bias, None, config, (delta, norm_w, eps, offset, new_res))
+
+
+def _skinny(x, w, bias, act, config, norm=None):
     import torch
 
     from .layers import SKINNY_ROWS
@@ -354,19 +398,24 @@ def skinny_linear(x, w, bias, act, config):
     M = x.shape[0]
     N, K = w.shape
     block_n, block_k, splits = config
-    assert M <= SKINNY_ROWS and w.is_contiguous() and x.stride(1) == 1 and x.shape[1] == (2 * K if act else K)
+    assert M <= SKINNY_ROWS and w.is_contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, k_split)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
     b = bias if bias is not None else w
+    delta, norm_w, eps, offset, new_res = norm if norm is not None else (None, w, 0.0, 0.0, out)
+    sq = torch.empty(splits, M, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 else part
     ieee = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     _skinny_kernel[(triton.cdiv(N, block_n), splits)](
-        x, w, b, out, part, M, N, K, k_split, x.stride(0), HAS_BIAS=bias is not None, ACT=act is not None,
-        GELU=act == "gelu", SPLIT=splits > 1, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n,
-        BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3 if x.dtype == torch.float32 or M > 16 else 4)
+        x, w, b, out, part, delta if delta is not None else x, norm_w, new_res, sq, M, N, K, k_split, x.stride(0),
+        eps, offset, HAS_BIAS=bias is not None, ACT=act is not None, GELU=act == "gelu", SPLIT=splits > 1,
+        NORM=norm is not None, HAS_DELTA=delta is not None, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64,
+        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4,
+        num_stages=3 if x.dtype == torch.float32 or M > 16 else 4)
     if splits > 1:
         BLOCK = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, out, M * N, N, splits, HAS_BIAS=bias is not None,
+        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, sq, out, M * N, M, N, K, splits, eps,
+                                                        HAS_BIAS=bias is not None, NORM=norm is not None,
                                                         BLOCK=BLOCK, num_warps=4)
     return out

@@ -19,6 +19,12 @@ flushed before each replay (in a real round the target model evicts everything i
 Bandwidth = the bytes a kernel must move (weights read; a gather reads and writes each row) / its time, against
 the 4.2 TB/s that a large device-to-device copy reaches on the H200 (bytes read + written). "launch" is the replay
 of one empty kernel.
+
+--layers instead: the decoder layer's kernels at the --shapes model shapes (default qwen2.5-1.5b) on random
+weights, at each of --rows rows: every projection (q|k|v, O, gate|up, down with SiLU x up, EAGLE's fc, the LM head)
+on cuBLAS, on each skinny-GEMM config and on the default path, with GB/s and % of the 4.8 TB/s HBM peak; the
+residual add + RMSNorm folded into q|k|v and gate|up vs unfused; one decoder layer with the fold off vs the
+default, with its kernel count.
 """
 from __future__ import annotations
 
@@ -277,6 +283,110 @@ def projection_ab(projections: list[tuple], rows: list[int], timer: "Timer", tag
     return out
 
 
+def count_kernels(fn) -> int:
+    """GPU kernels one eager run of fn launches (torch.profiler; memsets left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memset"))
+
+
+def fused_ab(cfg: dict, rows: list[int], timer: "Timer", tag: str = "") -> list[dict]:
+    """The fold of the residual add + RMSNorm into the q|k|v and gate|up GEMMs (layers.norm_linear) against
+    add_rms_norm then linear (each on its default path), per projection: unfused, the fastest fused config, the
+    default (the fold where it measured >= 3% faster at first use); then one whole decoder layer at CONTEXT
+    committed tokens with the fold allowed (the default) and switched off (layers.FUSE): us and kernels."""
+    from plugins import layers
+    from plugins import triton_layers as tk
+
+    from ..models.model import Block, rope_tables
+
+    dev, bf16 = DEVICE, torch.bfloat16
+    mc = ModelConfig(**cfg, num_layers=1, rms_norm_eps=1e-6, rope_theta=1e6, max_seq_len=CONTEXT + 2 * max(rows),
+                     tie_word_embeddings=False)
+    with torch.device(dev):
+        block = Block(mc).to(bf16).requires_grad_(False)
+    at, mlp, norm = block.self_attn, block.mlp, block.post_attention_layernorm
+    fold = [("add + RMSNorm + q|k|v", block.input_layernorm.weight, at.qkv_proj.weight, at.qkv_proj.bias),
+            ("add + RMSNorm + gate|up", norm.weight, mlp.gate_up_proj.weight, None)]
+    g = torch.Generator(device=dev).manual_seed(4)
+    rope = rope_tables(mc, mc.rope_theta, 1.0, dev)
+    S = CONTEXT + max(rows)
+    k = torch.randn(mc.num_kv_heads, S, mc.head_dim, generator=g, device=dev).to(bf16)
+    v = torch.randn(mc.num_kv_heads, S, mc.head_dim, generator=g, device=dev).to(bf16)
+    k_pos = torch.arange(S, device=dev)
+    out = []
+
+    def row(M, piece, unfused, fused, cfg_best, default, runs, nbytes, kernels=None):
+        r = dict(rows=M, piece=piece, unfused_us=unfused, fused_us=fused, fused_config=cfg_best and list(cfg_best),
+                 default_us=default, default_runs=runs, mb=nbytes / 1e6,
+                 fused_pct=fused and 100 * nbytes / fused / 1e6 / (PEAK_BW / 1e12),
+                 unfused_pct=100 * nbytes / unfused / 1e6 / (PEAK_BW / 1e12), kernels=kernels)
+        out.append(r)
+        print(f"{tag}rows {M:3d} {piece:28s} unfused {unfused:7.1f} us | fused {_us(fused)} "
+              f"{cfg_best and tuple(cfg_best)} | default {default:7.1f} us ({runs})"
+              + (f" | kernels {kernels}" if kernels else ""), flush=True)
+
+    with torch.no_grad():
+        for M in rows:
+            res = (torch.randn(M, mc.hidden_size, generator=g, device=dev) * 3).to(bf16)
+            delta = torch.randn(M, mc.hidden_size, generator=g, device=dev).to(bf16)
+            for piece, nw, w, b in fold:
+                nbytes = (w.numel() + (0 if b is None else b.numel()) + 3 * res.numel() + M * w.shape[0]) * 2
+
+                def unfused():
+                    return layers.linear(layers.add_rms_norm(res, delta, nw, mc.rms_norm_eps, 0.0)[1], w, b)
+
+                t_unfused = timer(unfused)
+                best, best_cfg = None, None
+                for c in tk.skinny_configs(M, *w.shape, False) if M <= layers.SKINNY_ROWS else []:
+                    us = timer(lambda c=c: tk.skinny_norm_linear(res, delta, nw, mc.rms_norm_eps, 0.0, w, b, c))
+                    if best is None or us < best:
+                        best, best_cfg = us, c
+                t_default = timer(lambda: layers.norm_linear(res, delta, nw, mc.rms_norm_eps, 0.0, w, b))
+                pick = (layers.norm_linear_choice(res, delta, nw, mc.rms_norm_eps, 0.0, w, b)["config"]
+                        if M <= layers.SKINNY_ROWS else None)
+                row(M, piece, t_unfused, best, best_cfg, t_default, f"fused {tuple(pick)}" if pick else "unfused",
+                    nbytes)
+            pos = CONTEXT + torch.arange(M, device=dev)
+            span = Span(torch.tensor(CONTEXT, device=dev), causal(M, dev), CONTEXT + M)
+            args = (rope, pos, pos, span, k_pos, 0, k, v)
+            nbytes = sum(p.numel() * 2 for p in block.parameters()) + 2 * k[:, :CONTEXT + M].numel() * 2
+
+            def layer():
+                return block(res, delta, None, args)
+
+            t, n = {}, {}
+            for fuse in (False, True):
+                layers.FUSE = fuse
+                try:
+                    t[fuse], n[fuse] = timer(layer), count_kernels(layer)
+                finally:
+                    layers.FUSE = True
+            row(M, "whole decoder layer", t[False], None, None, t[True], "fold where faster", nbytes,
+                f"{n[False]} unfused, {n[True]} default")
+    return out
+
+
+def _us(v) -> str:
+    return "      -   " if v is None else f"{v:7.1f} us"
+
+
+def fused_lines(rows: list[dict]) -> list[str]:
+    lines = ["| rows | piece | MB | unfused us | % peak | fused us (best config) | % peak | config | default us | "
+             "default runs | kernels |", "|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
+    for r in rows:
+        f = "-" if r["fused_us"] is None else f"{r['fused_us']:.1f}"
+        fp = "-" if r["fused_pct"] is None else f"{r['fused_pct']:.0f}"
+        lines.append(f"| {r['rows']} | {r['piece'].replace('|', chr(92) + '|')} | {r['mb']:.2f} | "
+                     f"{r['unfused_us']:.1f} | {r['unfused_pct']:.0f} | {f} | {fp} | "
+                     f"{r['fused_config'] and tuple(r['fused_config'])} | {r['default_us']:.1f} | "
+                     f"{r['default_runs']} | {r['kernels'] or ''} |")
+    return lines
+
+
 def projection_lines(proj_rows: list[dict]) -> list[str]:
     """The markdown table of projection_ab's rows."""
     def cell(name):
@@ -297,11 +407,13 @@ def projection_lines(proj_rows: list[dict]) -> list[str]:
 
 def layers_ab(a, timer: Timer) -> None:
     """bench-kernels --layers: projection_ab at each --shapes model shape, random weights."""
-    rows = []
+    rows, fused = [], []
     for name in a.shapes:
         print(f"bench-kernels --layers: {name} ...", flush=True)
         rows += [dict(shape=name, **r) for r in
                  projection_ab(model_projections(SHAPES[name], DEVICE), a.rows, timer, tag=f"{name} ")]
+        torch.cuda.empty_cache()
+        fused += [dict(shape=name, **r) for r in fused_ab(SHAPES[name], a.rows, timer, tag=f"{name} ")]
         torch.cuda.empty_cache()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=a.iters, peak_bw=PEAK_BW)
     lines = [f"# bench-kernels --layers on {meta['device']}", "",
@@ -313,7 +425,10 @@ def layers_ab(a, timer: Timer) -> None:
              ""]
     for name in a.shapes:
         lines += [f"## {name}", ""] + projection_lines([r for r in rows if r["shape"] == name]) + [""]
-    write_report(a.out, "\n".join(lines), dict(meta=meta, rows=rows))
+        lines += [f"The residual add + RMSNorm folded into the next GEMM (layers.norm_linear) vs add_rms_norm then "
+                  f"linear, and one decoder layer ({CONTEXT} committed tokens) with the fold switched off vs the "
+                  f"default:", ""] + fused_lines([r for r in fused if r["shape"] == name]) + [""]
+    write_report(a.out, "\n".join(lines), dict(meta=meta, rows=rows, fused=fused))
 
 
 def targets(rows: list[dict], launch: float) -> list[dict]:

@@ -32,16 +32,7 @@ from plugins.check_layers import random_tree
 from ..models.model import KVCache, Span
 from ..models.registry import UserError
 from ..spec.tree import TreeConfig, causal, draft_tree, verify
-from .kernels import COPY_BW, PEAK_BW, Timer, projection_ab, projection_lines, write_report
-
-
-def count_kernels(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memset"))
+from .kernels import COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, projection_lines, write_report
 
 
 def run(a) -> None:
@@ -210,6 +201,9 @@ def layer_table(target, n, S, timer) -> list[dict]:
     pieces = [
         ("add + RMSNorm", lambda: layers.add_rms_norm(x, x, norm.weight, norm.eps, norm.offset), 3 * x.numel() * 2),
         ("QKV GEMM (+bias)", lambda: layers.linear(x, at.qkv_proj.weight, at.qkv_proj.bias), wbytes(at.qkv_proj)),
+        ("add + RMSNorm + QKV GEMM (norm_linear: the fold where it measured faster; the model runs this)",
+         lambda: layers.norm_linear(x, x, layer.input_layernorm.weight, norm.eps, norm.offset, at.qkv_proj.weight,
+                                    at.qkv_proj.bias), wbytes(at.qkv_proj) + 3 * x.numel() * 2),
         ("rotary + KV write", lambda: layers.rope_cache_write(qkv, at.h, at.kv, target.rope_global, pos, pos, k, v,
                                                              None, at.eps), qkv.numel() * 4),
         ("attention", lambda: layers.attention(q, k, v, span, pos, target.cache.pos, 0, at.scale), kv_bytes),

@@ -7,7 +7,8 @@ for tree verification, a causal one for decode and prefill), and the block table
 slots in the shared pool; or `Spans`, several of them over consecutive rows (the batched engine's step: prefill
 chunks and decode rows in one pass). The layer's pieces (add + RMSNorm, rotary + cache write, gated activation,
 attention, the projections) are plugins/layers.py: plain torch on the CPU and under autograd, Triton kernels on
-CUDA; q|k|v and gate|up are one GEMM each, and the gated activation rides in the down projection's call.
+CUDA; q|k|v and gate|up are one GEMM each, each with the add + RMSNorm before it in one call (layers.norm_linear),
+and the gated activation rides in the down projection's call.
 Weight names follow the Hugging Face layout without the `model.` prefix, so engines and official EAGLE
 checkpoints load with plain `load_state_dict`.
 """
@@ -138,13 +139,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, gemma=True)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, gemma=True)
 
-    def forward(self, x, rope, positions, slots, span, k_pos, window, k_cache, v_cache):
+    def forward(self, qkv, rope, positions, slots, span, k_pos, window, k_cache, v_cache):
+        """qkv: the output of qkv_proj (the block runs it, with the norm before it in its prologue)."""
         qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
-        qkv = layers.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q = layers.rope_cache_write(qkv, self.h, self.kv, rope, positions, slots, k_cache, v_cache,
                                     qk_norm, self.eps)
         o = layers.attention(q, k_cache, v_cache, span, positions, k_pos, window, self.scale)
-        o = layers.linear(o.reshape(x.shape[0], self.h * self.d), self.o_proj.weight)
+        o = layers.linear(o.reshape(qkv.shape[0], self.h * self.d), self.o_proj.weight)
         return parallel.all_reduce(o) if self.reduce else o
 
 
@@ -158,8 +159,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
         self.gelu = cfg.gemma
 
-    def forward(self, x):
-        gate_up = layers.linear(x, self.gate_up_proj.weight)
+    def forward(self, gate_up):
+        """gate_up: the output of gate_up_proj (the block runs it, with the norm before it in its prologue)."""
         y = layers.linear(gate_up, self.down_proj.weight, act="gelu" if self.gelu else "silu")  # act_mul folded in
         return parallel.all_reduce(y) if self.reduce else y
 
@@ -189,18 +190,20 @@ class Block(nn.Module):
         return None if n is None else n.weight
 
     def forward(self, res, delta, delta_norm, attn_args):
-        norm = self.post_attention_layernorm
+        """Each add + RMSNorm runs with the projection after it (layers.norm_linear: in the skinny GEMM's prologue
+        where that measured faster; Gemma's delta, normed first, takes add_rms_norm + the projection)."""
+        norm, at, mlp = self.post_attention_layernorm, self.self_attn, self.mlp
         if hasattr(self, "input_layernorm"):
-            res, h = layers.add_rms_norm(res, delta, self.input_layernorm.weight, norm.eps, norm.offset, delta_norm)
+            res, qkv = layers.norm_linear(res, delta, self.input_layernorm.weight, norm.eps, norm.offset,
+                                          at.qkv_proj.weight, at.qkv_proj.bias, delta_norm)
         else:  # the draft layer: its input is the fc output, unnormed
-            h = res
-        a = self.self_attn(h, *attn_args)
-        if hasattr(self, "pre_feedforward_layernorm"):
-            res, h = layers.add_rms_norm(res, a, self.pre_feedforward_layernorm.weight, norm.eps, norm.offset,
-                                         norm.weight)
-        else:
-            res, h = layers.add_rms_norm(res, a, norm.weight, norm.eps, norm.offset)
-        return res, self.mlp(h)
+            qkv = layers.linear(res, at.qkv_proj.weight, at.qkv_proj.bias)
+        a = at(qkv, *attn_args)
+        gemma = hasattr(self, "pre_feedforward_layernorm")  # a is normed by the post-attention norm first
+        res, gate_up = layers.norm_linear(res, a, (self.pre_feedforward_layernorm if gemma else norm).weight,
+                                          norm.eps, norm.offset, mlp.gate_up_proj.weight, None,
+                                          norm.weight if gemma else None)
+        return res, mlp(gate_up)
 
 
 class KVCache:
