@@ -6,10 +6,10 @@ CUDA graphs and one captured step serves every n.
 
 Per layer: add+RMSNorm, [QKV GEMM], rotary+cache write, attention (+ a combine when the span is split),
 [O GEMM], add+RMSNorm, [gate|up GEMM], activation, [down GEMM]: 9-10 launches. The bracketed GEMMs are cuBLAS
-or, at 1-64 rows where it measured faster, the skinny GEMM below (+ a sum kernel when it splits K); its down
+or, at 1-64 rows where it measured faster, the skinny GEMM below (one launch, split K included); its down
 projection applies the activation itself, and its q|k|v and gate|up projections can take the add + RMSNorm
 before them into their prologue (skinny_norm_linear), each fold one launch fewer: 6 launches a layer when
-every fold is picked and nothing splits."""
+every fold is picked."""
 from __future__ import annotations
 
 import os
@@ -278,23 +278,26 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
 # --- skinny GEMM: out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= SKINNY_ROWS (decode, draft, verify) ---
 # At these row counts a projection only streams its weight; cuBLAS often launches too few blocks to keep enough
 # bytes in flight (qkv at 16% of bandwidth on the H200). Here each program owns BLOCK_N weight rows and one split
-# of K, so the grid is cdiv(N, BLOCK_N) x splits programs and every weight byte is read once; with splits > 1 the
-# fp32 partials are summed in a fixed order by a second small kernel (deterministic, no atomics, no counters to
-# reset). ACT folds the gated activation into the prologue: x is then gate | up [M, 2K] and the program
-# multiplies act(gate) * up (rounded as act_mul rounds) while loading, so the down projection needs no separate
-# activation launch. NORM folds the residual add + RMSNorm in: x is the residual, the program adds delta
-# (rounded), writes the sum (first column block only), weights it by the norm's (offset + w) and sums the rows'
-# squares; 1 / rms scales the output at the end (after the split sum when K is split: a row's norm needs all of
-# K), so nothing waits for a separate norm launch. It differs from add_rms_norm + GEMM only in rounding: the
+# of K, so the grid is cdiv(N, BLOCK_N) x splits programs and every weight byte is read once; with splits > 1
+# each program writes fp32 partials and counts itself done on its column block's counter (an acq_rel atomic);
+# the last one to finish sums the partials in split order (deterministic, whichever program that is) and sets
+# the counter back to 0, so a split GEMM is one launch, with no memset, and stays capturable (the counters are
+# shared by launches of one shape: launches on one stream at a time, as every caller makes them). ACT folds the
+# gated activation into the prologue: x is then gate | up [M, 2K] and the program multiplies act(gate) * up
+# (rounded as act_mul rounds) while loading, so the down projection needs no separate activation launch. NORM
+# folds the residual add + RMSNorm in: x is the residual, the program adds delta (rounded), writes the sum (first
+# column block only), weights it by the norm's (offset + w) and sums the rows' squares; 1 / rms scales the output
+# at the end (after the split sum when K is split: a row's norm needs all of K), so nothing waits for a separate
+# norm launch. It differs from add_rms_norm + GEMM only in rounding: the
 # normed row is not rounded before the 1 / rms scale. layers.linear / layers.norm_linear pick a config (or the
 # unfused path) per shape by measurement.
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_ptr, sq_ptr, M, N, K, k_split,
-                   stride_xm, eps, offset, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU: tl.constexpr,
-                   SPLIT: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_ptr, sq_ptr, cnt_ptr, M, N, K,
+                   k_split, n_splits, stride_xm, eps, offset, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                   GELU: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -331,34 +334,30 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_pt
             acc += tl.dot(x, tl.trans(w))
     out = rm[:, None] * N + rn[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
+    last = True
+    if SPLIT:  # fp32 partials; the last split of this column block to finish sums them all, in split order (the
+        # same sum every run), and resets the block's counter for the next launch: no second launch, no memset
         tl.store(part_ptr + pid_k * M * N + out, acc, mask=ok)
+        sq_at = sq_ptr + pid_n * M + rm  # [splits, column blocks, M]: every block's reducer reads its own
         if NORM:
-            tl.store(sq_ptr + pid_k * M + rm, sq, mask=m_ok & (pid_n == 0))
-    else:
+            tl.store(sq_at + pid_k * tl.num_programs(0) * M, sq, mask=m_ok)
+        tl.debug_barrier()  # every thread's partials written before the count says so
+        last = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == n_splits - 1
+        if last:
+            tl.debug_barrier()
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            sq = tl.zeros([BLOCK_M], tl.float32)
+            for s in range(0, n_splits):
+                acc += tl.load(part_ptr + s * M * N + out, mask=ok, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    sq += tl.load(sq_at + s * tl.num_programs(0) * M, mask=m_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    if last:
         if NORM:
             acc = acc * tl.rsqrt(sq / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _split_sum_kernel(part_ptr, b_ptr, sq_ptr, out_ptr, MN, M, N, K, splits, eps, HAS_BIAS: tl.constexpr,
-                      NORM: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    sq = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, splits):  # in split order: the same sum every run
-        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
-        if NORM:
-            sq += tl.load(sq_ptr + s * M + offs // N, mask=ok, other=0.0)
-    if NORM:
-        acc = acc * tl.rsqrt(sq / K + eps)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def skinny_configs(M: int, N: int, K: int, fp32: bool, sms: int = 132) -> list[tuple[int, int, int]]:
@@ -390,6 +389,21 @@ def skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config):
     return new_res, _skinny(res, w, bias, None, config, (delta, norm_w, eps, offset, new_res))
 
 
+_COUNTERS: dict = {}  # device -> the split launches' counters, one per column block (int32 zeros; every launch
+COUNTERS = 1 << 16  # leaves them 0), kept for good: captured CUDA graphs hold their address
+
+
+def _counters(device):
+    """The device's counters; None while a CUDA graph is being captured and they do not exist yet (allocated
+    there, their zeroing would only run at the graph's replays: the launch then runs unsplit instead)."""
+    import torch
+
+    cnt = _COUNTERS.get(device)
+    if cnt is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        cnt = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return cnt
+
+
 def _skinny(x, w, bias, act, config, norm=None):
     import torch
 
@@ -400,22 +414,22 @@ def _skinny(x, w, bias, act, config, norm=None):
     block_n, block_k, splits = config
     assert M <= SKINNY_ROWS and w.is_contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(N, block_n)
+    cnt = _counters(x.device) if splits > 1 and tiles <= COUNTERS else None
+    if cnt is None:
+        splits, cnt = 1, out
     k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, k_split)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
     b = bias if bias is not None else w
     delta, norm_w, eps, offset, new_res = norm if norm is not None else (None, w, 0.0, 0.0, out)
-    sq = torch.empty(splits, M, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 else part
+    sq = torch.empty(splits, tiles, M, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 \
+        else part
     ieee = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    _skinny_kernel[(triton.cdiv(N, block_n), splits)](
-        x, w, b, out, part, delta if delta is not None else x, norm_w, new_res, sq, M, N, K, k_split, x.stride(0),
-        eps, offset, HAS_BIAS=bias is not None, ACT=act is not None, GELU=act == "gelu", SPLIT=splits > 1,
-        NORM=norm is not None, HAS_DELTA=delta is not None, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64,
-        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4,
+    _skinny_kernel[(tiles, splits)](
+        x, w, b, out, part, delta if delta is not None else x, norm_w, new_res, sq, cnt, M, N, K, k_split, splits,
+        x.stride(0), eps, offset, HAS_BIAS=bias is not None, ACT=act is not None, GELU=act == "gelu",
+        SPLIT=splits > 1, NORM=norm is not None, HAS_DELTA=delta is not None,
+        BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4,
         num_stages=3 if x.dtype == torch.float32 or M > 16 else 4)
-    if splits > 1:
-        BLOCK = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, sq, out, M * N, M, N, K, splits, eps,
-                                                        HAS_BIAS=bias is not None, NORM=norm is not None,
-                                                        BLOCK=BLOCK, num_warps=4)
     return out
