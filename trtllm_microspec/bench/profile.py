@@ -6,10 +6,10 @@ verify (--tree nodes + LM head), one EAGLE-2 draft phase (depth + 1 draft forwar
 a prefill of --prefill tokens, and the batched engine's AR step for each --batch size (one token per request, paged
 KV). Each on the default path ("fast": the Triton layer kernels, and for each projection the skinny GEMM or
 cuBLAS, whichever layers.linear measured faster) and on the torch reference (the plain path) in the same run.
-Then one decoder layer at T = 1, piece by piece: time, the bytes it must move (weights, the KV it reads) and the
-bandwidth against the 4.2 TB/s copy bandwidth. Then each projection (q|k|v, O, gate|up, down with the gated
+Then one decoder layer at T = 1, piece by piece: time, the bytes it must move (weights, the KV it reads), the
+bandwidth against the 4.2 TB/s copy bandwidth, and the kernels it launches. Then each projection (q|k|v, O, gate|up, down with the gated
 activation, LM head) at each of --rows rows: cuBLAS (F.linear, after act_mul for the down projection), the
-fastest skinny-GEMM config, and the default path, each with its % of copy bandwidth.
+fastest skinny-GEMM config, and the default path, each with its GB/s and % of the 4.8 TB/s HBM peak.
 --context committed tokens precede each step.
 
 --timeline instead: the batched engine's step timeline under load. For each --batch size B, B requests of --context
@@ -220,7 +220,7 @@ def layer_table(target, n, S, timer) -> list[dict]:
     with torch.no_grad():
         for name, fn, nbytes in pieces:
             us = timer(fn)
-            out.append(dict(piece=name, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3,
+            out.append(dict(piece=name, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3, kernels=count_kernels(fn),
                             pct_copy=100 * nbytes / us / 1e6 / (COPY_BW / 1e12)))
     return out
 
@@ -250,9 +250,10 @@ def markdown(rows, layer_rows, proj_rows, meta) -> str:
     for r in rows:
         lines.append(f"| {r['phase']} | {r['path']} | {r['ms']:.3f} | {r['kernels']} | {r['ms'] / floor_ms:.2f} |")
     lines += ["", "One decoder layer (layer 0) at T = 1 on the default path:", "",
-              "| piece | us | MB moved | GB/s | % copy BW |", "|---|---:|---:|---:|---:|"]
+              "| piece | us | MB moved | GB/s | % copy BW | kernels |", "|---|---:|---:|---:|---:|---:|"]
     for r in layer_rows:
-        lines.append(f"| {cell(r['piece'])} | {r['us']:.1f} | {r['mb']:.2f} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} |")
+        lines.append(f"| {cell(r['piece'])} | {r['us']:.1f} | {r['mb']:.2f} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} | "
+                     f"{r.get('kernels', '-')} |")
     lines += ["", "Projections (layer 0) and the LM head: cuBLAS vs the fastest skinny-GEMM config vs the default "
               "path (what the model runs: the skinny GEMM where it measured >= 3% faster at first use, else cuBLAS); "
               f"% of the {PEAK_BW / 1e12:.1f} TB/s HBM peak:", ""] + projection_lines(proj_rows)
