@@ -196,3 +196,33 @@ def test_one_command_distills_then_trains(engine_dir, tmp_path, capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["distill"]["run"]["conversations"] + r["distill"]["run"]["skipped"] == 4
     assert r["data"] == "distilled" and r["steps"] == 1 and (tmp_path / "distilled" / MANIFEST).exists()
+
+
+def test_distill_releases_its_engine(engine_dir, convs, tmp_path):
+    """train-draft caches features where distill's engine was: nothing of it (its KV pool) may stay alive."""
+    import gc
+
+    distill(engine_dir, tmp_path, turns=1, max_tokens=2, device="cpu", data=convs[:1])
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is LLM]
+
+
+def test_time_limit_alone_is_the_recipe(engine_dir, tmp_path, capsys):
+    """train-draft --time-limit with no --data distills for a third of it, then trains on the answers mixed with
+    ShareGPT; --distill-time 0 trains on ShareGPT alone; a negative one is refused in one line."""
+    common = ["--engine", str(engine_dir), "--conversations", "4", "--distill-turns", "1", "--distill-max-tokens",
+              "4", "--distill-max-prompt", "200", "--max-len", "256", "--steps", "1", "--batch-tokens", "256",
+              "--heldout", "0.25", "--device", "cpu", "--save-every", "0", "--time-limit", "900"]
+    main(["train-draft", "--out", str(tmp_path / "a"), *common])
+    out, err = capsys.readouterr()
+    r = json.loads(out.strip().splitlines()[-1])
+    assert "the recipe: distill 300 s" in err and r["data"] == "distilled + ShareGPT" and r["steps"] == 1
+    assert r["distill"]["run"]["conversations"] + r["distill"]["run"]["skipped"] == 4
+    assert (tmp_path / "a" / "distilled" / MANIFEST).exists()
+    main(["train-draft", "--out", str(tmp_path / "b"), *common, "--distill-time", "0"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["data"] == "ShareGPT" and "distill" not in r and not (tmp_path / "b" / "distilled").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["train-draft", "--out", str(tmp_path / "c"), *common, "--distill-time", "-1"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == "microspec: error: --distill-time must be at " \
+        "least 0, got -1.0"
