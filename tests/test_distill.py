@@ -90,9 +90,20 @@ def test_resume_skips_what_is_done_and_refuses_other_settings(engine_dir, convs,
 
 
 def test_time_limit_keeps_what_finished(engine_dir, convs, tmp_path):
-    r = distill(engine_dir, tmp_path, turns=1, max_tokens=TOKENS, device="cpu", data=convs, time_limit=1e-6)
-    assert r["stopped"] and (tmp_path / MANIFEST).exists()
-    assert json.loads((tmp_path / MANIFEST).read_text())["conversations"] == r["conversations"]
+    """A stop after the first step keeps each answer in flight as far as it got (a prefix of the target's own
+    answer, at least its first token), leaves the ones with nothing answered to a later run, which finishes them."""
+    r = distill(engine_dir, tmp_path, turns=1, max_tokens=TOKENS, device="cpu", data=convs[:4], time_limit=1e-6)
+    m = json.loads((tmp_path / MANIFEST).read_text())
+    assert r["stopped"] and m["conversations"] == r["conversations"] == r["run"]["cut_short"] >= 1
+    llm = LLM(engine_dir, "ar", device="cpu", max_batch=4)
+    firsts = [c[0]["content"] for c in convs[:4]]
+    want = [res.token_ids for res in llm.generate(firsts, TOKENS, chat=True)]
+    seqs, _ = load_distilled(tmp_path, engine_dir)
+    for c, ids, mask in seqs:
+        (got,) = answers(ids, mask)
+        assert 1 <= len(got) < TOKENS and got == want[c][:len(got)]
+    rest = distill(engine_dir, tmp_path, turns=1, max_tokens=TOKENS, device="cpu", data=convs[:4])
+    assert rest["run"]["conversations"] == 4 - r["conversations"] and rest["conversations"] == 4
 
 
 def test_bad_data_dirs(engine_dir, shards, tmp_path):
