@@ -237,3 +237,57 @@ def test_time_limit_alone_is_the_recipe(engine_dir, tmp_path, capsys):
         main(["train-draft", "--out", str(tmp_path / "c"), *common, "--distill-time", "-1"])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == "microspec: error: --distill-time must be at " \
         "least 0, got -1.0"
+
+
+def _interpreted(code: list[str], timeout: int = 900):
+    """Runs `python -m ...` args under Triton's interpreter (set before triton is imported: a subprocess)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, *code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fused_soft_ce_equals_the_plain_one():
+    """The Triton kernel of --loss fused against plain torch: loss, input gradient, agreeing rows; fp32 and bf16,
+    one block, several, a vocabulary that is no block multiple, several chunks of rows."""
+    pytest.importorskip("triton")
+    r = _interpreted(["-m", "trtllm_microspec.train.fused_ce", "--device", "cpu"])
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[-1] == "all passed", r.stdout + r.stderr[-2000:]
+    assert sum(l.startswith("PASS") for l in lines) == 6 and any("bfloat16" in l for l in lines)
+
+
+TRAIN_FUSED = """
+import json, sys
+from plugins.check_layers import fix_interpreter
+fix_interpreter()
+from trtllm_microspec.data import sharegpt_conversations
+from trtllm_microspec.train.train_draft import train
+convs = [[{**m, "content": m["content"][:100]} for m in c[:2]] for c in sharegpt_conversations(4)]
+kw = dict(max_len=160, steps=2, lr=1e-3, batch_tokens=160, seed=3, device="cpu", save_every=0, heldout=0.25)
+print(json.dumps({loss: train(sys.argv[1], sys.argv[2] + "/" + loss, data=convs, loss=loss, **kw)
+                  for loss in ("full", "fused")}))
+"""
+
+
+def test_loss_fused_trains_as_full(engine_dir, tmp_path):
+    """train-draft --loss fused is --loss full's loss: the same seed gives the same held-out loss and accuracy."""
+    pytest.importorskip("triton")
+    r = _interpreted(["-c", TRAIN_FUSED, str(engine_dir), str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(r.stdout.strip().splitlines()[-1])
+    full, fused = runs["full"], runs["fused"]
+    assert fused["loss"] == "fused" and abs(fused["heldout_loss"] - fused["heldout_loss_start"]) > 0.1  # it trained
+    assert fused["heldout_loss"] == pytest.approx(full["heldout_loss"], rel=1e-4)
+    assert fused["heldout_acc"] == full["heldout_acc"]
+
+
+def test_loss_fused_needs_cuda(engine_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "4",
+              "--device", "cpu", "--steps", "1", "--loss", "fused"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("microspec: error: --loss fused runs a Triton kernel")

@@ -27,20 +27,26 @@ through the head, a chunk of rows at a time (V floats per token would not fit). 
 conversations is held out (of the distilled ones when there are any, or of --heldout-data's).
 
 Token loss (--loss): full = the soft CE over the whole vocabulary (the reference; SoftCE never holds more than one
-chunk of [rows, V] logits); pruned = the soft CE over the --loss-vocab ids most frequent in the training answers,
-both distributions renormalised over them (loss_head: ~k/V of the loss's cost, which at V = 152k is ~80% of a step).
+chunk of [rows, V] logits); fused = the same loss with its softmax part in one Triton kernel over bf16 logits
+(fused_ce.py: no fp32 [rows, V] tensor, ~half the memory traffic); pruned = the soft CE over the --loss-vocab ids
+most frequent in the training answers, both distributions renormalised over them (loss_head: ~k/V of the loss's
+cost, which at V = 152k is ~80% of a step).
 
 Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs. With --time-limit (the clock
-counts the whole command: distilling, tokenising, caching) the data is planned from measured rates (caching: the
-held-out rows; training: a few forward + backward passes on them): all rows when caching them and training
---epochs epochs fits the time left, else the rows that do, distilled rows first (plan_rows); then, after a few
-measured steps, the schedule takes every step that fits before the limit (more epochs when there is time), so the
-cosine ends when time does (a hard stop still applies). A checkpoint (fp32 weights +
-optimizer + plan) is written to <out>/checkpoint.pt every --save-every steps (0: never); --resume continues from
-it, and the data order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
---eval then measures the head's acceptance length on --eval-questions questions of each Spec-Bench category and
-HumanEval. --distill-time N makes it one command: `microspec distill` for N seconds into --data (default
-<out>/distilled), then the training on it, both under one --time-limit.
+counts the whole command: distilling, tokenising, caching, the held-out evaluation) the data is planned from rates
+measured on the first training rows (caching them, then a few forward + backward passes): all rows when caching
+them and training --epochs epochs fits the time left, else the rows that do, distilled rows first (plan_rows),
+re-planned from the caching rate of the planned rows; then the schedule takes every step that fits before the
+limit at the measured step time (more epochs when there is time), re-fitted REFITS times over the run, so the
+cosine ends when time does (a hard stop still applies). A checkpoint (fp32 weights + optimizer + plan) is written
+to <out>/checkpoint.pt every --save-every steps (0: never); --resume continues from it, and the data order depends
+only on --seed and the step, so a resumed run follows the uninterrupted one. --eval then measures the head's
+acceptance length on --eval-questions questions of each Spec-Bench category and HumanEval.
+
+One command (the recipe): --distill-time N runs `microspec distill` for N seconds into --data (default
+<out>/distilled), then the training on it, both under one --time-limit; with --time-limit and no --data, N
+defaults to a third of the limit (DISTILL_SHARE) and ShareGPT is mixed in: `train-draft --engine E --out D
+--time-limit 900` is the recipe.
 """
 from __future__ import annotations
 
@@ -75,7 +81,7 @@ PROBE_STEPS = 10  # steps timed (after the first) to fit the schedule to --time-
 PROBE_ROWS = 4  # training rows timed (caching, then forward + backward; after one warm-up row) to plan the data
 REFITS = 20  # under --time-limit the schedule is re-fitted to the measured step time this many times over the run
 CACHE_SLACK = 1.25  # caching may take this much longer than planned before it stops (the rest is left out)
-LOSSES = ("full", "pruned")
+LOSSES = ("full", "pruned", "fused")
 FEATURE_RESERVE = 16 << 30  # bytes of device memory left free by the cached features: the training step's own
 DISTILL_SHARE = 1 / 3  # the recipe (--time-limit, no --data): this share of the time limit goes to distilling
 EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
@@ -286,7 +292,7 @@ class SoftCE(torch.autograd.Function):
 
 
 def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None,
-                head: torch.Tensor | None = None):
+                head: torch.Tensor | None = None, ce=SoftCE):
     """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows.
     head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head)."""
     head = target.head_weight if head is None else head
@@ -295,7 +301,7 @@ def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noi
         sel = p.rows(s)
         nxt = sel + s + 1
         vloss = F.smooth_l1_loss(h[sel].float(), p.feats[nxt].float(), reduction="none").mean(-1).sum()
-        ploss, correct = SoftCE.apply(h[sel], head, p.feats[nxt])
+        ploss, correct = ce.apply(h[sel], head, p.feats[nxt])
         out.append((vloss, ploss, correct, len(sel)))
     return out
 
@@ -374,7 +380,7 @@ def loss_head(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], lo
     what the pruned loss no longer pushes down is mass on the rare ids. A lumped 'rest' term would need the
     draft's full-vocabulary normaliser, the very cost being cut. Held-out evaluation always uses the full loss."""
     V = target.head_weight.shape[0]
-    if loss == "full" or k >= V:
+    if loss != "pruned" or k >= V:
         return None, 1.0
     counts = np.bincount(np.concatenate([ids[m] for ids, m in seqs]), minlength=V)[:V]
     rank = counts.astype(np.float64)
@@ -392,7 +398,7 @@ def plan_rows(row_tokens: list[int], left: float, cache_rate: float, train_rate:
     return max(1, int(np.searchsorted(cum, budget, side="right")))
 
 
-def train_rate(draft: EagleDraft, target: Transformer, packs: list[Pack], steps: int, head) -> float:
+def train_rate(draft: EagleDraft, target: Transformer, packs: list[Pack], steps: int, head, ce=SoftCE) -> float:
     """Training tokens/s: forward + backward (the gradients are dropped) on a few cached training rows, after one
     warm-up row (compilation, cuDNN plans)."""
     rows = [packs[i % len(packs)] for i in range(PROBE_ROWS + 1)]
@@ -403,7 +409,7 @@ def train_rate(draft: EagleDraft, target: Transformer, packs: list[Pack], steps:
             _sync(dev)
             t = perf_counter()
         with _autocast(dev):
-            losses = pack_losses(draft, target, p, steps, None, head)
+            losses = pack_losses(draft, target, p, steps, None, head, ce)
         sum(vl + CE_WEIGHT * pl for vl, pl, _, _ in losses).backward()
     _sync(dev)
     draft.zero_grad(set_to_none=True)
@@ -510,6 +516,13 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         data_dir(None)  # no Spec-Bench data is an error now, not after the training
     engine_dir, out = resolve_engine(engine), Path(out)
     dev, dtype = pick_device(device)
+    ce = SoftCE
+    if loss == "fused":
+        from .fused_ce import FusedSoftCE, available
+        if not available(dev):
+            raise UserError("--loss fused runs a Triton kernel: it needs a CUDA device (TRITON_INTERPRET=1 runs it "
+                            "on the CPU, slowly)")
+        ce = FusedSoftCE
     torch.manual_seed(seed)
     # a row must fit the target's KV cache, and its positions + the unrolled steps the rope tables
     max_len = min(max_len, read_config(engine_dir).max_seq_len - EVAL_DEPTHS)
@@ -536,7 +549,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     elif time_limit is not None:
         probe = train_packs[:PROBE_ROWS + 1]  # the first rows of the caching order: cached in any plan
         cache_rate = _cache_timed(target, probe, "probe")
-        rate = train_rate(draft, target, probe, ttt_steps, head)
+        rate = train_rate(draft, target, probe, ttt_steps, head, ce)
         left = t0 + time_limit - perf_counter()
         keep = plan_rows([p.real for p in train_packs], left, cache_rate, rate, epochs)
         print(f"[train-draft] plan: caching {cache_rate:,.0f} tok/s, training {rate:,.0f} tok/s, {left:.0f} s left: "
@@ -599,7 +612,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         loss_sum = correct = 0
         for i in order:
             with _autocast(dev):
-                losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise, head)
+                losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise, head, ce)
             part = sum(STEP_DECAY ** s * (vl + CE_WEIGHT * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
             part.backward()
             loss_sum, correct = loss_sum + part.detach(), correct + losses[0][2]
@@ -726,7 +739,7 @@ def register(sub) -> None:
     p.add_argument("--loss", default="pruned", choices=LOSSES, help="token loss: pruned = soft CE over the "
                    "--loss-vocab ids most frequent in the training answers (the default: on the H200 it trained 2.3x "
                    "the tokens/s of full, and with distilled data won the equal-wall-time A/B); full = over the whole "
-                   "vocabulary (the reference)")
+                   "vocabulary (the reference); fused = full's loss with its softmax part in one Triton kernel (CUDA)")
     p.add_argument("--loss-vocab", type=int, default=32768, help="ids of --loss pruned")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
