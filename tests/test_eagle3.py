@@ -111,7 +111,9 @@ def test_layout_loads_and_is_lossless(engine_dir, ar, tmp_path, layout):
 @pytest.mark.parametrize("method", ["eagle", "microspec"])
 def test_missing_token_never_proposed(engine_dir, ar, tmp_path, method):
     """The draft vocabulary lacks every token AR emits: the heads never propose one (single and batched), and
-    the output is still AR's. The control head has them all and does propose them."""
+    the output is still AR's. The control head has them all: MicroSpec's window, 8 ids wide here (the last of the
+    stream: the target's top ids at the accepted positions), then proposes them (a random head over all 49k ids
+    rarely would, so eagle has no control)."""
     emitted = torch.tensor(sorted(set(sum(ar, []))))
     every = torch.arange(ModelConfig.load(engine_dir / "config.json").vocab_size)
     kept = every[~torch.isin(every, emitted)]
@@ -119,7 +121,7 @@ def test_missing_token_never_proposed(engine_dir, ar, tmp_path, method):
     for name, ids in (("lacking", kept), ("control", every)):
         eagle3_checkpoint(engine_dir, tmp_path / name, LAYOUTS[0], ids)
         out, _ = build_draft(tmp_path / name, engine_dir, tmp_path / f"{name}-draft")
-        llm = LLM(engine_dir, method, draft=out, device="cpu", **TREE)
+        llm = LLM(engine_dir, method, draft=out, device="cpu", w_max=8, **TREE)
         seen = []
         for holder in (llm.executor.vocab, llm.scheduler().runner.vocab):
             spy(holder, seen)
@@ -127,7 +129,9 @@ def test_missing_token_never_proposed(engine_dir, ar, tmp_path, method):
         assert [r.token_ids for r in llm.generate(PROMPTS, N, chat=True)] == ar
         proposed[name] = set(torch.cat([s.flatten() for s in seen]).tolist())
     assert not proposed["lacking"] & set(emitted.tolist())
-    assert proposed["control"] & set(emitted.tolist())
+    assert proposed["lacking"] <= set(kept.tolist())
+    if method == "microspec":
+        assert proposed["control"] & set(emitted.tolist())
 
 
 def test_refuses_a_head_for_another_target(engine_dir, tmp_path):
