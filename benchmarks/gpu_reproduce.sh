@@ -10,6 +10,8 @@
 #              profile with the per-projection A/B table (cuBLAS vs skinny GEMM vs default) at rows 1,4,16,60,64
 #   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16, alone and batched
 #              (the batched engine's CUDA graphs, padding rows included)
+#   eagle3-lossless  the same with a random EAGLE-3 head (its own LM head over 16k random ids, d2t): ar, eagle,
+#              frspec (= its own vocabulary), microspec, fp32 and bf16, alone and batched (~3 min on an H200)
 #   train      train an EAGLE head for KEY into $HEAD (<= TRAIN_LIMIT s wall, caching included), with --eval
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
 #   sampling   the same at temperature 0.7 (speculative sampling)
@@ -76,6 +78,14 @@ EOF
         ms bench --engine "$KEY" --draft "$OUT/random_head" --dtype $dt --methods ar,eagle,microspec --limit 1 \
           --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/lossless_$dt" 2>&1 | grep "mismatches"
         grep -A9 "in-flight batching" "$OUT/lossless_$dt/results.md" | tail -6
+      done ;;
+    eagle3-lossless)
+      python3 -c "import sys; from trtllm_microspec.llm import resolve_engine; from trtllm_microspec.spec.eagle3 import random_head
+random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/random_eagle3"
+      for dt in float32 bfloat16; do
+        ms bench --engine "$KEY" --draft "$OUT/random_eagle3" --dtype $dt --methods ar,eagle,frspec,microspec --limit 1 \
+          --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/eagle3_lossless_$dt" 2>&1 | grep "mismatches"
+        grep -A9 "in-flight batching" "$OUT/eagle3_lossless_$dt/results.md" | tail -6
       done ;;
     train)
       ms train-draft --engine "$KEY" --out "$HEAD" --time-limit "$TRAIN_LIMIT" --save-every 0 $TRAIN_ARGS \

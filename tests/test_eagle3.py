@@ -139,3 +139,25 @@ def test_refuses_a_head_for_another_target(engine_dir, tmp_path):
     with pytest.raises(UserError, match="hidden size 1024"):
         build_draft(tmp_path / "ck", engine_dir, tmp_path / "draft")
     assert not (tmp_path / "draft").exists()
+
+
+def test_train_eagle3_head(engine_dir, tmp_path):
+    """train-draft --arch eagle3: a few steps on real ShareGPT conversations lower the held-out loss; the head is an
+    EAGLE-3 head over the --loss-vocab most frequent answer ids (EOS among them), loads and is lossless."""
+    from trtllm_microspec.data import sharegpt_conversations
+    from trtllm_microspec.train.train_draft import train
+
+    convs = [[{**m, "content": m["content"][:100]} for m in c[:2]] for c in sharegpt_conversations(8)]
+    r = train(engine_dir, tmp_path / "h3", data=convs, max_len=160, steps=4, lr=1e-3, batch_tokens=320, ttt_steps=2,
+              seed=3, device="cpu", save_every=0, heldout=0.25, loss="pruned", loss_vocab=4096, arch="eagle3")
+    assert r["arch"] == "eagle3" and r["steps"] == 4
+    assert r["heldout_loss"] < r["heldout_loss_start"] - 0.1
+    raw = json.loads((tmp_path / "h3" / "config.json").read_text())
+    assert raw["eagle"] == 3 and raw["draft_vocab_size"] == 4096
+    sd = load_file(tmp_path / "h3" / "model.safetensors")
+    ids = torch.arange(4096) + sd["d2t"]
+    eos = ModelConfig.load(engine_dir / "config.json").eos_ids
+    assert set(eos) <= set(ids.tolist())
+    ar = LLM(engine_dir, "ar", device="cpu").generate(PROMPTS[0], N, chat=True)
+    spec = LLM(engine_dir, "microspec", draft=tmp_path / "h3", device="cpu", **TREE).generate(PROMPTS[0], N, chat=True)
+    assert spec.token_ids == ar.token_ids

@@ -51,6 +51,25 @@ def default_taps(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def draft3_config(target: ModelConfig) -> ModelConfig:
+    """A head of the target's shapes as SpecForge configures one: a plain Llama layer (no q/k/v bias, no sliding
+    window, SiLU), for a random or a newly trained head."""
+    return ModelConfig(**{**target.__dict__, "arch": "llama", "num_layers": 1, "layer_types": [], "sliding_window": 0,
+                          "attention_bias": False, "query_pre_attn_scalar": 0.0})
+
+
+def random_head(engine: Path, out: Path, draft_vocab: int, seed: int = 0) -> Path:
+    """A randomly initialised EAGLE-3 head over `draft_vocab` random ids of the engine's target (losslessness must
+    hold for any head): benchmarks/gpu_reproduce.sh's eagle3-lossless stage."""
+    t = ModelConfig.load(Path(engine) / "config.json")
+    torch.manual_seed(seed)
+    model = Eagle3Draft(draft3_config(t), t.hidden_size, draft_vocab, default_taps(t.num_layers))
+    ids = torch.randperm(t.vocab_size)[:draft_vocab].sort().values
+    model.d2t.copy_(ids - torch.arange(draft_vocab))
+    save_draft3(model, out, {"arch": t.arch, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size}, "random")
+    return Path(out)
+
+
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, norm_before_residual: bool):
         super().__init__()
