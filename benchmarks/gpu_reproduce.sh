@@ -26,7 +26,9 @@
 #              conversations for every arm) and acceptance (eagle, default tree) on EVAL_Q questions of each
 #              Spec-Bench category + HumanEval -> $OUT/head_ab/head_ab.md. Arms: sharegpt (today's data),
 #              distilled, mixed (distilled + ShareGPT), sharegpt-pruned, mixed-pruned (--loss pruned),
-#              mixed-pruned-ttt2. ~17 min on an H200 with the default 3 arms.
+#              mixed-pruned-ttt2, and EAGLE-3 heads (issue 26): mixed-eagle3 (ttt 3), mixed-eagle3-ttt5.
+#              ~17 min on an H200 with the default 3 arms. EAGLE-3 vs EAGLE-2 at equal wall time:
+#              ARMS="mixed-pruned mixed-eagle3" bash benchmarks/gpu_reproduce.sh head-ab
 #   load       throughput under load (~5 min on an H200): the batched engine's step timeline at batch 64/128/256,
 #              then AR and vLLM on LOAD_LIMIT x 6 Spec-Bench first turns (240) at LOAD_LEVELS, batched runs only
 set -euo pipefail
@@ -122,6 +124,8 @@ random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/rando
           mixed) args="--data $DIST --mix-sharegpt" ;;
           mixed-pruned) args="--data $DIST --mix-sharegpt --loss pruned" ;;
           mixed-pruned-ttt2) args="--data $DIST --mix-sharegpt --loss pruned --ttt-steps 2" ;;
+          mixed-eagle3) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3" ;;   # issue 26 (ttt 3)
+          mixed-eagle3-ttt5) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3 --ttt-steps 5" ;;
           *) echo "unknown head-ab arm $arm"; exit 2 ;;
         esac
         ms train-draft --engine "$KEY" --out "$AB/$arm" --time-limit "$ARM_LIMIT" --save-every 0 --eval \
@@ -136,17 +140,17 @@ ab, arms = Path(sys.argv[1]), sys.argv[2:]
 m = json.loads((ab / "distilled" / "manifest.json").read_text())
 print(f"distilled: {m['conversations']} conversations, {m['answers']} answers, {m['answer_tokens']:,} answer "
       f"tokens ({m['tokens']:,} in all), settings {json.dumps(m['settings'])}\n")
-print("| arm | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
+print("| arm | head | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
       "| wall s |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for arm in arms:
     f = ab / f"{arm}.json"
     if not f.exists() or not f.read_text().strip():
-        print(f"| {arm} | failed: see {arm}.log | | | | | | | | |")
+        print(f"| {arm} | failed: see {arm}.log | | | | | | | | | |")
         continue
     r = json.loads(f.read_text())
     acc = " / ".join(f"{a:.3f}" for a in r["heldout_acc"])
-    print(f"| {arm} | {r['data']} | {r['loss']} | {r['ttt_steps']} | {r['train_tokens']:,} | {r['epochs']} | "
+    print(f"| {arm} | {r.get('arch', 'eagle2')} | {r['data']} | {r['loss']} | {r['ttt_steps']} | {r['train_tokens']:,} | {r['epochs']} | "
           f"{r['train_tok_per_s']:,} | {acc} | {r.get('acceptance', {}).get('eagle', '-')} | {r['wall_s']:.0f} |")
 EOF
       ;;

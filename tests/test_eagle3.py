@@ -161,3 +161,20 @@ def test_train_eagle3_head(engine_dir, tmp_path):
     ar = LLM(engine_dir, "ar", device="cpu").generate(PROMPTS[0], N, chat=True)
     spec = LLM(engine_dir, "microspec", draft=tmp_path / "h3", device="cpu", **TREE).generate(PROMPTS[0], N, chat=True)
     assert spec.token_ids == ar.token_ids
+
+
+def test_vllm_export_reads_back(engine_dir, tmp_path):
+    """bench's vllm-eagle reference writes an EAGLE-3 head in SafeAILab's layout (vLLM's eagle3 method): read back
+    by build_draft, it is the same head."""
+    from trtllm_microspec.bench.references import eagle3_to_vllm
+    from trtllm_microspec.spec.eagle3 import random_head
+
+    head = random_head(engine_dir, tmp_path / "head", 1000)
+    eagle3_to_vllm(head, tmp_path / "vllm")
+    cfg = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["draft_vocab_size"] == 1000
+    out, what = build_draft(tmp_path / "vllm", engine_dir, tmp_path / "back")
+    assert what.startswith(LAYOUTS[0])
+    want, got = load_file(head / "model.safetensors"), load_file(out / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert json.loads((out / "config.json").read_text())["taps"] == json.loads((head / "config.json").read_text())["taps"]
