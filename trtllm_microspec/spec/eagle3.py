@@ -213,7 +213,9 @@ def convert(hf: dict, sd: dict, tcfg: ModelConfig, target_embed, layout: str) ->
         raise UserError(f"{where} reads the target's last layer only (use_aux_hidden_state false), not supported")
     sd = {k.removeprefix("model.").replace("midlayer.", "layers.0."): v for k, v in sd.items()}
     d = layer["hidden_size"]
-    th = hf.get("target_hidden_size") or d
+    fc = sd.get("fc.weight")
+    # the target's hidden size: the config's, else what fc reads (three layers), else the draft's own
+    th = hf.get("target_hidden_size") or (fc.shape[1] // 3 if fc is not None and fc.dim() == 2 else d)
     V = layer["vocab_size"]
     Vd = hf.get("draft_vocab_size") or V
     if V != tcfg.vocab_size or th != tcfg.hidden_size:
