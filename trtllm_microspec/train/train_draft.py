@@ -1,4 +1,5 @@
-"""`microspec train-draft`: train an EAGLE-1/2 draft head for an engine on ShareGPT conversations.
+"""`microspec train-draft`: train an EAGLE-1/2 (or, --arch eagle3, EAGLE-3) draft head for an engine on ShareGPT
+conversations.
 
 Recipe: the draft is fc + one decoder layer; the target's embedding and LM head are frozen and shared. Input at
 position i = (embedding of token i+1, feature i) -> predicted feature i+1, where features are the target's
@@ -729,8 +730,8 @@ def cmd_train_draft(a) -> None:
 def register(sub) -> None:
     from .distill import add_distill_args
 
-    p = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head for an engine (ShareGPT and/or the "
-                                           "target's own answers from `microspec distill`)")
+    p = sub.add_parser("train-draft", help="train an EAGLE-1/2 or (--arch eagle3) EAGLE-3 draft head for an engine "
+                                           "(ShareGPT and/or the target's own answers from `microspec distill`)")
     p.add_argument("--engine", required=True, help="engine directory or model key")
     p.add_argument("--out", required=True, help="draft directory (config.json + model.safetensors, checkpoint.pt)")
     p.add_argument("--conversations", type=int, help="first N ShareGPT conversations (default: all)")
