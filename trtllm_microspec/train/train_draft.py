@@ -291,14 +291,17 @@ class SoftCE(torch.autograd.Function):
 def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None,
                 head: torch.Tensor | None = None):
     """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows.
-    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head)."""
+    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head; EAGLE-3: its
+    own LM head, or that head's copy in the target's dtype, as the pruned rows are)."""
+    eagle3_head = head
     head = target.head_weight if head is None else head
     out = []
     for s, h in enumerate(unroll(draft, p, steps, noise)):
         sel = p.valid(s).nonzero().squeeze(-1)
         nxt = sel + s + 1
         if draft.version == 3:  # no feature regression; the token loss over its own (frozen) head's vocabulary
-            ploss, correct = SoftCE.apply(draft.head_in(h[sel]), draft.lm_head.weight, p.feats[nxt])
+            ploss, correct = SoftCE.apply(draft.head_in(h[sel]), draft.lm_head.weight if eagle3_head is None
+                                          else eagle3_head, p.feats[nxt])
             out.append((torch.zeros((), device=h.device), ploss, correct, len(sel)))
             continue
         vloss = F.smooth_l1_loss(h[sel].float(), p.feats[nxt].float(), reduction="none").mean(-1).sum()
@@ -567,6 +570,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
 
     per_step = max(1, batch_tokens // max_len)
     draft = init_draft(engine_dir, target, dev, seed, vocab_ids)
+    if arch == "eagle3":  # its frozen head in the target's dtype: the same GEMMs as the EAGLE-2 pruned loss
+        head = draft.lm_head.weight.detach().to(target.head_weight.dtype).contiguous()
     opt = torch.optim.AdamW([q for q in draft.parameters() if q.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = None
     if resume:
