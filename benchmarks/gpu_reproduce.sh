@@ -13,6 +13,8 @@
 #              vs the default (launches counted). No engine needed.
 #   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16, alone and batched
 #              (the batched engine's CUDA graphs, padding rows included)
+#   eagle3-lossless  the same with a random EAGLE-3 head (its own LM head over 16k random ids, d2t): ar, eagle,
+#              frspec (= its own vocabulary), microspec, fp32 and bf16, alone and batched (~3 min on an H200)
 #   train      train an EAGLE head for KEY into $HEAD (the recipe in <= TRAIN_LIMIT s wall: distilling, caching and
 #              training), with --eval; its distilled answers are moved to $OUT/distilled_KEY
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
@@ -28,7 +30,9 @@
 #              conversations for every arm) and acceptance (eagle, default tree) on EVAL_Q questions of each
 #              Spec-Bench category + HumanEval -> $OUT/head_ab/head_ab.md. Arms: sharegpt (today's data),
 #              distilled, mixed (distilled + ShareGPT), sharegpt-pruned, mixed-pruned (--loss pruned),
-#              mixed-pruned-ttt2. ~17 min on an H200 with the default 3 arms.
+#              mixed-pruned-ttt2 and EAGLE-3 heads (issue 26): mixed-eagle3 (ttt 3), mixed-eagle3-ttt5.
+#              ~17 min on an H200 with the default 3 arms. EAGLE-3 vs EAGLE-2 at equal wall time:
+#              ARMS="mixed-pruned mixed-eagle3" bash benchmarks/gpu_reproduce.sh head-ab
 #   recipe     the one-command head (issue 28): `train-draft --engine KEY --time-limit RECIPE_LIMIT` (900 s: a third
 #              distilling, the rest caching + training on the answers + ShareGPT) into $OUT/recipe_KEY/head, then
 #              --eval (eagle + microspec, default GPU tree, RECIPE_EVAL_Q questions of each Spec-Bench category +
@@ -96,6 +100,14 @@ EOF
           --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/lossless_$dt" 2>&1 | grep "mismatches"
         grep -A9 "in-flight batching" "$OUT/lossless_$dt/results.md" | tail -6
       done ;;
+    eagle3-lossless)
+      python3 -c "import sys; from trtllm_microspec.llm import resolve_engine; from trtllm_microspec.spec.eagle3 import random_head
+random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/random_eagle3"
+      for dt in float32 bfloat16; do
+        ms bench --engine "$KEY" --draft "$OUT/random_eagle3" --dtype $dt --methods ar,eagle,frspec,microspec --limit 1 \
+          --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/eagle3_lossless_$dt" 2>&1 | grep "mismatches"
+        grep -A9 "in-flight batching" "$OUT/eagle3_lossless_$dt/results.md" | tail -6
+      done ;;
     train)
       ms train-draft --engine "$KEY" --out "$HEAD" --time-limit "$TRAIN_LIMIT" --save-every 0 $TRAIN_ARGS \
         2>&1 | tr '\r' '\n' | grep "\[train-draft\]\|\[distill\]\|^{\|rror" | tee "$OUT/train_$KEY.log"
@@ -132,6 +144,8 @@ EOF
           mixed) args="--data $DIST --mix-sharegpt --loss full" ;;
           mixed-pruned) args="--data $DIST --mix-sharegpt --loss pruned" ;;
           mixed-pruned-ttt2) args="--data $DIST --mix-sharegpt --loss pruned --ttt-steps 2" ;;
+          mixed-eagle3) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3" ;;   # issue 26 (ttt 3)
+          mixed-eagle3-ttt5) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3 --ttt-steps 5" ;;
           *) echo "unknown head-ab arm $arm"; exit 2 ;;
         esac
         ms train-draft --engine "$KEY" --out "$AB/$arm" --time-limit "$ARM_LIMIT" --save-every 0 --eval \
@@ -146,17 +160,17 @@ ab, arms = Path(sys.argv[1]), sys.argv[2:]
 m = json.loads((ab / "distilled" / "manifest.json").read_text())
 print(f"distilled: {m['conversations']} conversations, {m['answers']} answers, {m['answer_tokens']:,} answer "
       f"tokens ({m['tokens']:,} in all), settings {json.dumps(m['settings'])}\n")
-print("| arm | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
+print("| arm | head | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
       "| wall s |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for arm in arms:
     f = ab / f"{arm}.json"
     if not f.exists() or not f.read_text().strip():
-        print(f"| {arm} | failed: see {arm}.log | | | | | | | | |")
+        print(f"| {arm} | failed: see {arm}.log | | | | | | | | | |")
         continue
     r = json.loads(f.read_text())
     acc = " / ".join(f"{a:.3f}" for a in r["heldout_acc"])
-    print(f"| {arm} | {r['data']} | {r['loss']} | {r['ttt_steps']} | {r['train_tokens']:,} | {r['epochs']} | "
+    print(f"| {arm} | {r.get('arch', 'eagle2')} | {r['data']} | {r['loss']} | {r['ttt_steps']} | {r['train_tokens']:,} | {r['epochs']} | "
           f"{r['train_tok_per_s']:,} | {acc} | {r.get('acceptance', {}).get('eagle', '-')} | {r['wall_s']:.0f} |")
 EOF
       ;;

@@ -1,4 +1,5 @@
-"""`microspec train-draft`: train an EAGLE-1/2 draft head for an engine on ShareGPT conversations.
+"""`microspec train-draft`: train an EAGLE-1/2 (or, --arch eagle3, EAGLE-3) draft head for an engine on ShareGPT
+conversations.
 
 Recipe: the draft is fc + one decoder layer; the target's embedding and LM head are frozen and shared. Input at
 position i = (embedding of token i+1, feature i) -> predicted feature i+1, where features are the target's
@@ -31,6 +32,13 @@ chunk of [rows, V] logits); fused = the same loss with its softmax part in one T
 (fused_ce.py: no fp32 [rows, V] tensor, ~half the memory traffic); pruned = the soft CE over the --loss-vocab ids
 most frequent in the training answers, both distributions renormalised over them (loss_head: ~k/V of the loss's
 cost, which at V = 152k is ~80% of a step).
+
+--arch eagle3 trains an EAGLE-3 head (spec/eagle3.py) on the same data, rows, schedule and token loss: its input
+is fc over the target's three tapped layers (cached beside the final feature), there is no feature regression
+(the token loss alone, weight 1), --ttt-steps defaults to 3 (its later steps read its own output, which only the
+unrolled steps train), and its draft vocabulary is the --loss-vocab ids most frequent in the training answers
+(frequent_ids, EOS included): its LM head is the target's rows of those ids, frozen, so the pruned soft CE against
+the target's distribution renormalised over them is exactly its own loss.
 
 Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs. With --time-limit (the clock
 counts the whole command: distilling, tokenising, caching, the held-out evaluation) the data is planned from rates
@@ -69,7 +77,8 @@ from plugins import layers
 from ..models.model import KVCache, Span, Transformer
 from ..models.registry import UserError
 from ..models.tokenizer import Tokenizer
-from ..spec.eagle import EagleDraft, draft_config, save_draft
+from ..spec.eagle import EagleDraft, _target_record, draft_config, save_draft
+from ..spec.eagle3 import Eagle3Draft, default_taps, draft3_config, save_draft3
 
 CE_WEIGHT = 0.1  # EAGLE's weight of the token loss against the feature loss
 NOISE = 0.1  # EAGLE's uniform noise on the input features: U(-NOISE, NOISE)
@@ -86,6 +95,8 @@ FEATURE_RESERVE = 16 << 30  # bytes of device memory left free by the cached fea
 DISTILL_SHARE = 1 / 3  # the recipe (--time-limit, no --data): this share of the time limit goes to distilling
 EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
 EVAL_METHODS = ("eagle", "microspec")
+ARCHS = ("eagle2", "eagle3")
+EAGLE3_TTT = 3  # --arch eagle3's default --ttt-steps: its later draft steps read its own output, trained only so
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -99,6 +110,7 @@ class Pack:
     n: int  # valid(0).sum(): the row's positions with a depth-1 loss
     real: int  # tokens of conversations (the rest is padding)
     feats: torch.Tensor | None = None  # [T, d] target features
+    aux: torch.Tensor | None = None  # [T, 3 d] EAGLE-3: the target's three tapped layers (the draft's input)
     sel: dict = field(default_factory=dict, repr=False)  # step -> valid(step).nonzero(), kept: nonzero syncs
 
     def rows(self, s: int) -> torch.Tensor:
@@ -212,6 +224,7 @@ def target_features(target: Transformer, packs: list[Pack], desc: str, until: fl
             T = len(p.tokens)
             slots = torch.arange(T, device=p.tokens.device)
             p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
+            p.aux = target.tapped if target.taps else None
         bar.update(p.real)
         done += 1
         if perf_counter() > until:
@@ -227,7 +240,7 @@ def target_features(target: Transformer, packs: list[Pack], desc: str, until: fl
 def unroll(draft: EagleDraft, p: Pack, steps: int, noise: torch.Generator | None):
     """Yields the draft hidden [T, d] of each unrolled step (see the module docstring)."""
     T, dev = len(p.tokens), p.tokens.device
-    x = p.feats
+    x = p.feats if p.aux is None else p.aux  # EAGLE-3's step 0 reads the target's three layers (through fc)
     if noise is not None:
         x = x + (torch.rand(x.shape, generator=noise, device=dev) * 2 - 1).to(x.dtype) * NOISE
     rows = torch.arange(T, device=dev)
@@ -294,16 +307,28 @@ class SoftCE(torch.autograd.Function):
 def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None,
                 head: torch.Tensor | None = None, ce=SoftCE):
     """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows.
-    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head)."""
+    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head; EAGLE-3: its
+    own LM head, or that head's copy in the target's dtype, as the pruned rows are)."""
+    eagle3_head = head
     head = target.head_weight if head is None else head
     out = []
     for s, h in enumerate(unroll(draft, p, steps, noise)):
         sel = p.rows(s)
         nxt = sel + s + 1
+        if draft.version == 3:  # no feature regression; the token loss over its own (frozen) head's vocabulary
+            ploss, correct = SoftCE.apply(draft.head_in(h[sel]), draft.lm_head.weight if eagle3_head is None
+                                          else eagle3_head, p.feats[nxt])
+            out.append((torch.zeros((), device=h.device), ploss, correct, len(sel)))
+            continue
         vloss = F.smooth_l1_loss(h[sel].float(), p.feats[nxt].float(), reduction="none").mean(-1).sum()
         ploss, correct = ce.apply(h[sel], head, p.feats[nxt])
         out.append((vloss, ploss, correct, len(sel)))
     return out
+
+
+def ce_weight(draft) -> float:
+    """The token loss's weight: EAGLE's 0.1 beside the feature loss; EAGLE-3's token loss is the whole loss."""
+    return 1.0 if draft.version == 3 else CE_WEIGHT
 
 
 def _act_dtype(feats: torch.Tensor) -> torch.dtype:
@@ -326,7 +351,7 @@ def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack]) -> dict:
             sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None)]
     draft.train()
     n = np.maximum(sums[:, 3], 1.0)
-    return {"loss": float((sums[0, 0] + CE_WEIGHT * sums[0, 1]) / n[0]),
+    return {"loss": float((sums[0, 0] + ce_weight(draft) * sums[0, 1]) / n[0]),
             "acc": [round(float(a), 4) for a in sums[:, 2] / n], "positions": int(sums[0, 3])}
 
 
@@ -346,17 +371,31 @@ def lr_at(step: int, plan: int, lr: float) -> float:
     return lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, plan) / plan))
 
 
-def init_draft(engine_dir: Path, target: Transformer, device, seed: int) -> EagleDraft:
+def init_draft(engine_dir: Path, target: Transformer, device, seed: int, vocab_ids: torch.Tensor | None = None):
+    """vocab_ids: an EAGLE-3 head over these target ids (its draft vocabulary), else an EAGLE-1/2 head. The EAGLE-3
+    head's LM head starts as the target's rows of those ids and stays frozen (the pruned loss's own head: the
+    target's distribution over the draft vocabulary is then exactly what it learns to match)."""
     torch.manual_seed(seed)
     from ..engine.loader import read_config
-    draft = EagleDraft(draft_config(read_config(engine_dir)), bias=False)  # Llama-3 EAGLE heads have no fc bias
+    c = read_config(engine_dir)
+    if vocab_ids is None:
+        draft = EagleDraft(draft_config(c), bias=False)  # Llama-3 EAGLE heads have no fc bias
+    else:
+        draft = Eagle3Draft(draft3_config(c), c.hidden_size, vocab_ids.numel(), default_taps(c.num_layers))
     for m in draft.modules():  # the Hugging Face init EAGLE's heads start from
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=0.02)
             if m.bias is not None:
                 torch.nn.init.zeros_(m.bias)
+    if vocab_ids is not None:
+        ids = vocab_ids.cpu()
+        draft.d2t.copy_(ids - torch.arange(ids.numel()))
+        draft.lm_head.weight.data.copy_(target.head_weight[vocab_ids.to(target.head_weight.device)].cpu().float())
     draft.setup(target, torch.float32, device)  # fp32 master weights; bf16 compute under autocast on CUDA
-    return draft.requires_grad_(True).train()
+    draft.requires_grad_(True).train()
+    if vocab_ids is not None:
+        draft.lm_head.requires_grad_(False)
+    return draft
 
 
 def _cache_timed(target: Transformer, packs: list[Pack], desc: str) -> float:
@@ -371,6 +410,17 @@ def _cache_timed(target: Transformer, packs: list[Pack], desc: str) -> float:
     return sum(p.real for p in packs[1:] or packs) / max(perf_counter() - t, 1e-9)
 
 
+def frequent_ids(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], k: int):
+    """The k ids most frequent as assistant tokens of the training data, EOS always among them, in id order; and
+    the share of the training positions whose next token they hold."""
+    V = target.head_weight.shape[0]
+    counts = np.bincount(np.concatenate([ids[m] for ids, m in seqs]), minlength=V)[:V]
+    rank = counts.astype(np.float64)
+    rank[[e for e in target.cfg.eos_ids if e < V]] = np.inf  # the end of an answer is always predictable
+    ids = np.sort(np.argsort(-rank, kind="stable")[:k])
+    return torch.from_numpy(ids), float(counts[ids].sum()) / max(1, int(counts.sum()))
+
+
 def loss_head(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], loss: str, k: int):
     """The LM-head rows the training token loss is taken over, and the share of the training positions whose
     next token they hold. full: the whole vocabulary (the reference). pruned: the k ids most frequent as assistant
@@ -382,12 +432,8 @@ def loss_head(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], lo
     V = target.head_weight.shape[0]
     if loss != "pruned" or k >= V:
         return None, 1.0
-    counts = np.bincount(np.concatenate([ids[m] for ids, m in seqs]), minlength=V)[:V]
-    rank = counts.astype(np.float64)
-    rank[[e for e in target.cfg.eos_ids if e < V]] = np.inf  # the end of an answer is always predictable
-    ids = np.sort(np.argsort(-rank, kind="stable")[:k])
-    share = float(counts[ids].sum()) / max(1, int(counts.sum()))
-    return target.head_weight[torch.from_numpy(ids).to(target.head_weight.device)].contiguous(), share
+    ids, share = frequent_ids(target, seqs, k)
+    return target.head_weight[ids.to(target.head_weight.device)].contiguous(), share
 
 
 def plan_rows(row_tokens: list[int], left: float, cache_rate: float, train_rate: float, epochs: float) -> int:
@@ -410,7 +456,7 @@ def train_rate(draft: EagleDraft, target: Transformer, packs: list[Pack], steps:
             t = perf_counter()
         with _autocast(dev):
             losses = pack_losses(draft, target, p, steps, None, head, ce)
-        sum(vl + CE_WEIGHT * pl for vl, pl, _, _ in losses).backward()
+        sum(vl + ce_weight(draft) * pl for vl, pl, _, _ in losses).backward()
     _sync(dev)
     draft.zero_grad(set_to_none=True)
     return sum(p.real for p in rows[1:]) / max(perf_counter() - t, 1e-9)
@@ -494,7 +540,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
           save_every: int = 200, heldout: float = 0.02, time_limit: float | None = None,
           eval_tokens: int = 0, data: list[list[dict]] | None = None, distilled: str | Path | None = None,
           mix_sharegpt: bool = False, heldout_data: str | Path | None = None, loss: str = "full",
-          loss_vocab: int = 32768, eval_methods: tuple[str, ...] = EVAL_METHODS, eval_questions: int = 1) -> dict:
+          loss_vocab: int = 32768, eval_methods: tuple[str, ...] = EVAL_METHODS, eval_questions: int = 1,
+          arch: str = "eagle2") -> dict:
     """Returns the run's record (also printed by the command). eval_tokens > 0: --eval with that many new tokens.
     Under time_limit the data is planned from measured rates: every row when caching it and training it for
     `epochs` epochs fits, else the rows that do (distilled rows first, then ShareGPT's, each in a seeded random
@@ -505,6 +552,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     t0 = perf_counter()
     if ttt_steps < 1:
         raise UserError("--ttt-steps must be at least 1")
+    if arch not in ARCHS:
+        raise UserError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if loss not in LOSSES:
         raise UserError(f"unknown --loss {loss!r}; choose one of {', '.join(LOSSES)}")
     if loss_vocab < 1 or epochs <= 0:
@@ -527,9 +576,17 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     # a row must fit the target's KV cache, and its positions + the unrolled steps the rope tables
     max_len = min(max_len, read_config(engine_dir).max_seq_len - EVAL_DEPTHS)
     target, tok = load_target(engine_dir, dev, dtype, max_seq_len=max_len)
+    if arch == "eagle3":  # every cached row keeps the three layers the head reads (Transformer.taps)
+        target.taps = tuple(default_taps(target.cfg.num_layers))
     seqs, n_first, held, what = training_data(engine_dir, tok, max_len, heldout, conversations, data, distilled,
                                               mix_sharegpt, heldout_data)
     head, coverage = loss_head(target, seqs, loss, loss_vocab)
+    vocab_ids = None
+    if arch == "eagle3":  # its draft vocabulary: the --loss-vocab ids most frequent in the training answers
+        V = target.cfg.vocab_size
+        vocab_ids, coverage = frequent_ids(target, seqs, loss_vocab) if loss == "pruned" and loss_vocab < V \
+            else (torch.arange(V), 1.0)
+        head = None  # its own LM head is the loss's
     first = pack(seqs[:n_first], max_len, dev)
     train_packs = _shuffled(first, seed) + _shuffled(pack(seqs[n_first:], max_len, dev), seed + 1)
     held_packs = pack(held, max_len, dev)
@@ -537,8 +594,10 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     _cache_timed(target, held_packs, "held-out")  # (also the caching's warm-up)
 
     per_step = max(1, batch_tokens // max_len)
-    draft = init_draft(engine_dir, target, dev, seed)
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    draft = init_draft(engine_dir, target, dev, seed, vocab_ids)
+    if arch == "eagle3":  # its frozen head in the target's dtype: the same GEMMs as the EAGLE-2 pruned loss
+        head = draft.lm_head.weight.detach().to(target.head_weight.dtype).contiguous()
+    opt = torch.optim.AdamW([q for q in draft.parameters() if q.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = None
     if resume:
         ck = out / CHECKPOINT
@@ -560,7 +619,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     if dev.type == "cuda" and not resume:  # the features stay on the device: as many rows as its memory holds
         have = sum(p.feats is not None for p in train_packs)  # the probe rows, on the device already
         free = torch.cuda.mem_get_info(dev)[0] - FEATURE_RESERVE
-        fits = max(1, min(fits, have + int(max(0, free) // (max_len * target.cfg.hidden_size * 2))))
+        per_token = target.cfg.hidden_size * 2 * (1 + len(target.taps))  # bf16 features (+ EAGLE-3's layers)
+        fits = max(1, min(fits, have + int(max(0, free) // (max_len * per_token))))
         if fits < keep:
             print(f"[train-draft] device memory holds the features of {fits} of the {keep} planned rows",
                   file=sys.stderr)
@@ -587,7 +647,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     plan = total  # steps in the LR schedule; --time-limit may change it once measured
     key = {"engine": str(engine_dir.resolve()), "data": what, "distilled": str(distilled), "max_len": max_len,
            "seed": seed, "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "loss": loss,
-           "loss_vocab": loss_vocab, "rows": len(train_packs)}  # the rows cached: --resume caches the same
+           "loss_vocab": loss_vocab, "rows": len(train_packs),  # the rows cached: --resume caches the same
+           **({"arch": arch} if arch != "eagle2" else {})}
     start = 0
     if state is not None:
         if state["key"] != key:
@@ -613,7 +674,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         for i in order:
             with _autocast(dev):
                 losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise, head, ce)
-            part = sum(STEP_DECAY ** s * (vl + CE_WEIGHT * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
+            part = sum(STEP_DECAY ** s * (vl + ce_weight(draft) * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
             part.backward()
             loss_sum, correct = loss_sum + part.detach(), correct + losses[0][2]
             seen += train_packs[i].real
@@ -647,9 +708,12 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     train_s = bar.format_dict["elapsed"]
     _close(bar, seen)
     after = evaluate(draft, target, held_packs)
-    save_draft(draft, out, engine_dir)
+    if arch == "eagle3":
+        save_draft3(draft, out, _target_record(engine_dir), "trained here")
+    else:
+        save_draft(draft, out, engine_dir)
     tokens = sum(p.real for p in train_packs)
-    r = {"out": str(out), "data": what, "loss": loss, "steps": done, "planned_steps": plan, "epoch_steps": total,
+    r = {"out": str(out), "arch": arch, "data": what, "loss": loss, "steps": done, "planned_steps": plan, "epoch_steps": total,
          "ttt_steps": ttt_steps, "train_tokens": tokens, "rows": len(train_packs),
          "epochs": round(seen / max(tokens, 1), 2), "train_tok_per_s": round(seen / max(train_s, 1e-9)),
          "loss_vocab_coverage": round(coverage, 4), "heldout_loss_start": before["loss"],
@@ -699,7 +763,8 @@ def cmd_train_draft(a) -> None:
         if time_limit is not None:
             time_limit -= perf_counter() - t0
     r = train(a.engine, a.out, conversations=a.conversations, max_len=a.max_len, steps=a.steps, epochs=a.epochs,
-              lr=a.lr, batch_tokens=a.batch_tokens, ttt_steps=a.ttt_steps, seed=a.seed, device=a.device,
+              lr=a.lr, batch_tokens=a.batch_tokens, seed=a.seed, device=a.device, arch=a.arch,
+              ttt_steps=a.ttt_steps if a.ttt_steps is not None else EAGLE3_TTT if a.arch == "eagle3" else 1,
               resume=a.resume, save_every=a.save_every, heldout=a.heldout, time_limit=time_limit,
               eval_tokens=a.eval_tokens if a.eval else 0, distilled=data, mix_sharegpt=mix,
               heldout_data=a.heldout_data, loss=a.loss, loss_vocab=a.loss_vocab, eval_methods=methods,
@@ -713,8 +778,8 @@ def cmd_train_draft(a) -> None:
 def register(sub) -> None:
     from .distill import add_distill_args
 
-    p = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head for an engine (ShareGPT and/or the "
-                                           "target's own answers from `microspec distill`)")
+    p = sub.add_parser("train-draft", help="train an EAGLE-1/2 or (--arch eagle3) EAGLE-3 draft head for an engine "
+                                           "(ShareGPT and/or the target's own answers from `microspec distill`)")
     p.add_argument("--engine", required=True, help="engine directory or model key")
     p.add_argument("--out", required=True, help="draft directory (config.json + model.safetensors, checkpoint.pt)")
     p.add_argument("--conversations", type=int, help="first N ShareGPT conversations (default: all)")
@@ -734,8 +799,12 @@ def register(sub) -> None:
                    "the planned data gets (more when there is time; less data when the time holds fewer)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per optimizer step (whole rows)")
-    p.add_argument("--ttt-steps", type=int, default=1, help="unrolled draft steps per position (training-time "
-                                                            "test); 1 = EAGLE's single-step recipe")
+    p.add_argument("--ttt-steps", type=int, help="unrolled draft steps per position (training-time test; "
+                   f"default 1 = EAGLE's single-step recipe, {EAGLE3_TTT} with --arch eagle3)")
+    p.add_argument("--arch", default="eagle2", choices=ARCHS, help="eagle2: an EAGLE-1/2 head (fc over [embedding ; "
+                   "final feature], the target's LM head, feature + token loss); eagle3: an EAGLE-3 head (fc over "
+                   "three target layers, its own LM head over the --loss-vocab most frequent answer ids, token loss "
+                   "only, --ttt-steps unrolled)")
     p.add_argument("--loss", default="pruned", choices=LOSSES, help="token loss: pruned = soft CE over the "
                    "--loss-vocab ids most frequent in the training answers (the default: on the H200 it trained 2.3x "
                    "the tokens/s of full, and with distilled data won the equal-wall-time A/B); full = over the whole "
