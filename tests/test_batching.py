@@ -172,7 +172,8 @@ def test_spec_batch_equals_alone(method, budget, engine_dir, random_draft_dir, a
     no round runs): each request's tokens are AR's; each MicroSpec window ends exactly as the same request's window
     alone (so no token of another request ever entered it, and a chunked prefill starts it as a whole one does),
     and so does its fill (`microspec`)."""
-    llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    # fixed: every step a round of the configured tree, as the single-request executor runs (the same rounds)
+    llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, spec_policy="fixed", **SPEC)
     monkeypatch.setattr(llm.scheduler().runner, "max_num_tokens", budget)
     window = method != "eagle"
     cases = [CASES[1], CASES[0], CASES[2]]
@@ -218,8 +219,10 @@ MIXED = [(CASES[1], {}), (CASES[0], dict(temperature=0.8, top_p=0.9, seed=1)),
 @pytest.mark.parametrize("method", ["ar", "microspec"])
 def test_sampled_batch_equals_alone(method, engine_dir, ar):
     """Greedy and sampled requests in one batch (3 slots, the fourth joins as one leaves): each gets exactly the
-    tokens it gets alone with the same SamplingParams and seed (the same random stream, drawn per request)."""
-    llm = ar if method == "ar" else LLM(engine_dir, method, device="cpu", max_batch=3, **SPEC)  # the trained head
+    tokens it gets alone with the same SamplingParams and seed (the same random stream, drawn per request; fixed:
+    the same tree every step as alone)."""
+    llm = ar if method == "ar" else LLM(engine_dir, method, device="cpu", max_batch=3, spec_policy="fixed",
+                                        **SPEC)  # the trained head
     want = [llm.generate(p, m, chat=c, **s).token_ids for (p, c, m), s in MIXED]
     sched = llm.scheduler()
     reqs = [sched.add(llm.prompt_ids(p, c), m, SamplingParams(**s)) for (p, c, m), s in MIXED]
@@ -236,28 +239,31 @@ def test_sampled_batch_equals_alone(method, engine_dir, ar):
 def test_padding_rows(engine_dir, alone):
     """3 requests in 4 batch slots: every round runs 4 rows (the batch-size bucket a CUDA graph is captured for),
     the last a padding row in the padding slot. The requests still get AR's tokens, and the padding rows leave the
-    padding slot's MicroSpec window empty."""
-    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, **SPEC)
+    padding slot's MicroSpec window as it starts (its pinned ids only)."""
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, spec_policy="fixed", **SPEC)
     sched = llm.scheduler()
     runner, rows = sched.runner, []
     real_round = runner._round
+    v = runner.vocab
+    pinned = v.id_of[runner.pad].clone()
+    assert (pinned[:len(v.pinned)] == v.pinned).all() and (pinned[len(v.pinned):] == -1).all()
 
-    def spy(Bb, top, S, mode):
+    def spy(shape, Bb, top, S, mode):
         rows.append((Bb, int((runner.inp[2, :Bb] == runner.pad).sum())))
-        real_round(Bb, top, S, mode)
+        real_round(shape, Bb, top, S, mode)
 
     runner._round = spy
     reqs = [sched.add(llm.prompt_ids(p, c), m) for p, c, m in CASES[1:]]
     sched.run(reqs)
     assert [r.out for r in reqs] == alone[1:]
     assert rows[0] == (4, 1)
-    assert (runner.vocab.ring[runner.pad] == -1).all() and (runner.vocab.id_of[runner.pad] == -1).all()
+    assert (v.ring[runner.pad] == -1).all() and (v.id_of[runner.pad] == pinned).all()
 
 
 def test_sampled_batch_bf16(engine_dir):
     """bf16 weights, sampled, alone and batched: the draft's hidden / temperature (fp32 knobs) meets the bf16 head
     rows."""
-    llm = LLM(engine_dir, "microspec", device="cpu", dtype="bfloat16", max_batch=2, **SPEC)
+    llm = LLM(engine_dir, "microspec", device="cpu", dtype="bfloat16", max_batch=2, spec_policy="fixed", **SPEC)
     assert llm.generate(CASES[1][0], 6, temperature=0.8, seed=1).num_new_tokens == 6
     results = llm.generate([CASES[1][0], CASES[3][0]], 6, temperature=0.8, seed=1)
     assert [r.num_new_tokens for r in results] == [6, 6] and all(r.stats["rounds"] > 0 for r in results)

@@ -37,7 +37,7 @@ def check_pool(sched) -> None:
 def check_budget(sched, budget: int) -> None:
     """The budget holds in every step the scheduler recorded, counted from what it ran."""
     for rec in sched.history:
-        assert rec.tokens == rec.decodes * sched.runner.decode_rows + sum(rec.chunks) <= budget, rec
+        assert rec.tokens == rec.decodes * rec.tree + sum(rec.chunks) <= budget, rec
 
 
 @pytest.fixture(scope="module")

@@ -105,12 +105,15 @@ class LLM:
                  static_k: int = 32768, depth: int | None = None, top_k: int | None = None,
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
-                 max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None):
+                 max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
+                 spec_policy: str = "auto"):
         """depth / top_k / total_tokens left None: the device's tree (spec.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
         prompt chunks and decode rows together (None: 8192 on CUDA, 1024 on the CPU, at least max_batch x the rows
-        a request decodes in a step)."""
+        a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
+        included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
+        the configured tree)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
@@ -119,6 +122,10 @@ class LLM:
         check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, tree.depth, tree.top_k,
                     tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory, max_num_tokens)
         self.method = method
+        from .engine.policy import POLICIES
+        if spec_policy not in POLICIES:
+            raise UserError(f"unknown spec_policy {spec_policy!r}; choose one of {', '.join(POLICIES)}")
+        self.spec_policy = spec_policy
         if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
             self.device = parallel.init(tp, self.device, tp_timeout)
         if self.device.index is not None:  # Triton kernels launch on the thread's current GPU, not the tensors' one
@@ -228,7 +235,9 @@ class LLM:
             else:
                 e = self.executor
                 runner = SpecRunner(self.target, e.draft, e.vocab, e.tree, e.k_pre, e.k_ver, self.max_batch,
-                                    self.kv_memory, self.cuda_graphs, self.max_num_tokens)
+                                    self.kv_memory, self.cuda_graphs, self.max_num_tokens, self.spec_policy)
+                if self.cuda_graphs:  # the policy's step costs measured now, every graph it may pick captured
+                    runner.calibrate()
             self._scheduler = Scheduler(runner, self.max_batch)
         return self._scheduler
 

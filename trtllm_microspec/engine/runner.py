@@ -19,6 +19,7 @@ keeps its generator's state and gets it back when it joins again.
 from __future__ import annotations
 
 import heapq
+import time
 
 import torch
 
@@ -28,11 +29,12 @@ from ..models.model import KVCache, Span, Spans, Transformer
 from ..models.registry import UserError
 from ..spec.batch_tree import accept, draft_trees, physical, verify
 from ..spec.sampling import Sampler, tempered
-from ..spec.tree import TreeConfig, causal
+from ..spec.tree import Tree, TreeConfig, causal
 from ..vocab.batched import batch_vocab
 from .block_manager import BlockManager, pool_blocks
 from .executor import PREFILL_CHUNK, check_request, round_reserve
 from .graphs import GraphRunner, bucket_for
+from .policy import SpecPolicy, StepCosts, tree_shapes
 
 DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / GiB on the CPU
 # tokens of target work per step (prompt chunks + decode rows): a GPU step at 8k rows is GEMM-bound (vLLM chunks at
@@ -118,6 +120,10 @@ class BatchRunner:
         if not req.params.greedy:
             req.rng = self.sampler.generators[req.slot].get_state()
         self.leave(req)
+
+    def plan(self, reqs: list) -> int:
+        """Target rows each decoding request adds to this step (AR: one)."""
+        return 1
 
     def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
         """One target pass: the next chunk of each (request, chunk length) being prefilled and one decode row per
@@ -275,13 +281,23 @@ class SpecRunner(BatchRunner):
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False,
-                 max_num_tokens: int | None = None):
-        super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1, reserve=round_reserve(tree),
-                         levels=tree.max_path, max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens)
+                 max_num_tokens: int | None = None, spec_policy: str = "auto", costs: StepCosts | None = None):
+        """spec_policy: auto (engine/policy.py: each step's tree from the step's cost and the requests' acceptance)
+        or fixed (always `tree`); costs: the policy's cost model (None: measured by timing padding rounds)."""
+        shapes = tree_shapes(tree, spec_policy)
+        super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1,
+                         reserve=max(round_reserve(t) for t in shapes if t), levels=tree.max_path,
+                         max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens)
         self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
+        self.shapes = shapes
+        self.policy = SpecPolicy(shapes, spec_policy, costs or StepCosts(self.measure))
+        self.planned: int | None = None  # the shape the scheduler planned this step's budget with
         dev = self.device
         self.dcache = KVCache(draft.cfg, 1, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
         self.vocab = batch_vocab(vocab, max_batch + 1)  # the padding slot too: padding rows read it
+        if hasattr(self.vocab, "reset"):  # every slot a valid (pinned ids) window: a padding row may read a free one
+            for s in range(max_batch + 1):
+                self.vocab.reset(s)
         self.h_last = torch.zeros(max_batch + 1, target.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
         self.steps = torch.arange(tree.max_path, device=dev)
         self.topk_pre: dict[int, list[torch.Tensor]] = {}  # batch slot -> its prompt chunks' top-K_pre so far
@@ -322,39 +338,88 @@ class SpecRunner(BatchRunner):
         """The prompt chunks' pass, then the round of the requests past their prompts."""
         return self.prefill(chunks) if chunks else [], self.decode(decodes) if decodes else []
 
+    def plan(self, reqs: list) -> int:
+        """The policy's shape for this step's decoding requests; returns the target rows each of them adds."""
+        self.planned = self.policy.choose(reqs, batch_bucket(len(reqs), self.max_batch))
+        tree = self.shapes[self.planned]
+        return tree.total_tokens if tree else 1
+
     def decode(self, reqs: list) -> list[list[int]]:
-        """One draft / verify / update round for the batch."""
+        """One step for the batch in the planned shape: a draft / verify / update round, or plain decode rows
+        (the root alone: verified, the window and the draft's state carried on as after a round)."""
         B = len(reqs)
         Bb = batch_bucket(B, self.max_batch)
+        shape = self.policy.choose(reqs, Bb) if self.planned is None else self.planned
+        self.planned = None
         # the batched draft head multiplies slots 0 .. top-1 in place (vocab/batched.py): top covers every slot
         top = batch_bucket(max(r.slot for r in reqs) + 1, self.max_batch)
+        t0 = time.perf_counter()
         S, mode = self.prepare(reqs, Bb)
-        self.launch((Bb, top, S, mode), lambda: self._round(Bb, top, S, mode))
+        self.launch((shape, Bb, top, S, mode), lambda: self._round(shape, Bb, top, S, mode))
+        res = self.out[:B].tolist()  # the one host read per round
+        self.policy.observe(reqs, shape, Bb, [row[0] + 1 for row in res], time.perf_counter() - t0)
+        size_of = self.shapes[shape].total_tokens if self.shapes[shape] else 1
         out = []
-        for r, (k, size, covered, *emitted) in zip(reqs, self.out[:B].tolist()):  # the one host read per round
+        for r, (k, size, covered, *emitted) in zip(reqs, res):
             s = r.stats
-            s.rounds += 1
-            s.round_tokens += k + 1
-            s.vocab_sum += size
-            s.vocab_max = max(s.vocab_max, size)
-            s.covered += covered
+            s.tree_sizes[size_of] = s.tree_sizes.get(size_of, 0) + 1
+            if size_of > 1:  # speculative rounds only: a plain step's one token is no acceptance
+                s.rounds += 1
+                s.round_tokens += k + 1
+                s.vocab_sum += size
+                s.vocab_max = max(s.vocab_max, size)
+                s.covered += covered
             r.n += k + 1
             r.last = emitted[k]
             out.append(emitted[:k + 1])
         return out
 
-    def _round(self, Bb: int, top: int, S: int, mode: str) -> None:
-        t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.tree, self.device
-        P, steps = cfg.max_path, self.steps
+    def measure(self, shape: int, Bb: int) -> float:
+        """Seconds of one step of `shape` over Bb padding rows (the policy's cost calibration): the same launch,
+        bucket and host read as a real step, on CUDA through its captured graph (captured here, so the first real
+        step of the bucket replays it). Padding rows write only the pool's block 0 and change no window."""
+        self.inp[:, :Bb].copy_(torch.tensor([0, 0, self.pad], device=self.device)[:, None].expand(3, Bb))
+        S = bucket_for(self.reserve, self.target.cfg.max_seq_len) if self.graphs else self.reserve
+        mode = self.sampler.mode([self.pad])
+        key = (shape, Bb, Bb, S, mode)
+        times = []
+        for i in range(5 if self.graphs else 3):  # CUDA: eager, capture, then 3 timed replays; CPU: 1 warm-up
+            t0 = time.perf_counter()
+            self.launch(key, lambda: self._round(shape, Bb, Bb, S, mode))
+            self.out[:1].tolist()
+            times.append(time.perf_counter() - t0)
+        return min(times[2 if self.graphs else 1:])
+
+    def calibrate(self) -> None:
+        """Every (shape, rows bucket) the policy may weigh, measured now (start-up on CUDA: graphs captured)."""
+        if self.policy.policy == "fixed":
+            return
+        Bb = 1
+        while True:
+            for shape in range(len(self.shapes)):
+                self.policy.costs(shape, Bb)
+            if Bb >= self.max_batch:
+                break
+            Bb = batch_bucket(Bb + 1, self.max_batch)
+
+    def _round(self, shape: int, Bb: int, top: int, S: int, mode: str) -> None:
+        t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.shapes[shape], self.device
         root, n, slots = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
         table = self.table.index_select(0, slots)
-        temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
-        temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
+        if cfg is None:  # plain rows: the root alone, a tree of one node
+            P = 1
+            zero = torch.zeros_like(root)[:, None]
+            tree = Tree(tokens=root[:, None], parent=zero, depth=zero, anc=self.one.expand(Bb, 1, 1))
+        else:
+            P = cfg.max_path
+            temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
+            temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
 
-        def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
-            return vocab.head(tempered(h, temperature), slots, top, k)
+            def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
+                return vocab.head(tempered(h, temperature), slots, top, k)
 
-        tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
+            tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
+        steps = self.steps[:P]
         hid, logits = verify(t, self.cache, tree, n, table, S)
         N, V = tree.tokens.shape[1], logits.shape[-1]
         # greedy rows: the argmax of every node; sampling rows: one draw per node with their tree level's uniform
@@ -365,7 +430,9 @@ class SpecRunner(BatchRunner):
         covered = (vocab.contains(slots, emitted) & valid).sum(1)
         ver = logits.gather(1, path[:, :, None].expand(Bb, P, V)).topk(self.k_ver, -1).indices
         ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
-        self.cache.move(physical(table, n[:, None] + path).flatten(), physical(table, n[:, None] + steps).flatten())
+        if cfg is not None:  # the accepted path's KV to the committed slots (a plain row is there already)
+            self.cache.move(physical(table, n[:, None] + path).flatten(),
+                            physical(table, n[:, None] + steps).flatten())
         real = (slots != self.pad)[:, None]  # a padding row adds nothing to the padding slot's window
         # the gathers run on the copy stream, behind the draft forward
         vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), torch.where(real, ver, -1))
@@ -375,4 +442,4 @@ class SpecRunner(BatchRunner):
                      cache=self.dcache).view(Bb, P, -1)
         self.h_last[slots] = h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
         vocab.join()
-        self.out[:Bb].copy_(torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1))
+        self.out[:Bb, :3 + P].copy_(torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1))

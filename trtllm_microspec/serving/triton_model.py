@@ -44,7 +44,9 @@ METRICS = {"microspec_running_requests": "requests decoding now (the batch, and 
            "microspec_waiting_requests": "requests accepted and waiting for KV blocks or their turn (those in "
                                          "Triton's queue: nv_inference_pending_request_count)",
            "microspec_kv_blocks_used": "KV-cache blocks held by the batch's requests",
-           "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)"}
+           "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)",
+           "microspec_tree_tokens": "draft-tree tokens per request of the batch's last decoding step, the speculation "
+                                    "policy's choice (1: plain decoding; 0: none yet)"}
 
 
 @dataclass(eq=False)
@@ -150,7 +152,7 @@ class TritonPythonModel:
         tp_port = knobs.pop("tp_port", None)
         kwargs = dict(engine=p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
                       device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false",
-                      **knobs)
+                      spec_policy=p.get("spec_policy") or "auto", **knobs)
         self.tp = knobs.get("tp", 1)
         if self.tp > 1:  # rank 0 of `microspec serve --tp`: its followers run every step with it (serving/tp.py)
             if tp_port is None:
@@ -355,9 +357,11 @@ class TritonPythonModel:
         s, n = self.sched, len(self.singles)
         running, waiting = min(n, 1), max(n - 1, 0)
         if s is None:
-            self.gauges.set(running, waiting, 0, 0)
+            self.gauges.set(running, waiting, 0, 0, 0)
         else:
-            self.gauges.set(running + len(s.running), waiting + len(s.waiting), s.blocks.used, s.blocks.num_blocks - 1)
+            tree = next((r.tree for r in reversed(s.history) if r.tree), 0) if s.history else 0
+            self.gauges.set(running + len(s.running), waiting + len(s.waiting), s.blocks.used, s.blocks.num_blocks - 1,
+                            tree)
 
 
 def _end_early(gen) -> Stats:
