@@ -138,3 +138,22 @@ def test_bad_policy(engine_dir, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--engine", str(engine_dir), "--prompt", "hi", "--spec-policy", "sometimes"])
     assert e.value.code == 2 and "microspec: error:" in capsys.readouterr().err
+
+
+def test_sampled_equals_ar_for_every_shape(engine_dir, random_draft_dir):
+    """Sampling: a token's uniform is a hash of its request's seed and its position (spec/sampling.py), so with one
+    seed every tree shape -- the policy cycling through them, beside greedy and other sampled requests, with padding
+    rows -- emits AR's sampled tokens alone, token for token."""
+    ar = LLM(engine_dir, "ar", device="cpu", max_batch=4)
+    knobs = [dict(temperature=0.9, seed=11), dict(temperature=1.3, top_k=20, seed=12), {}]
+    want = [ar.generate(p, m, **s).token_ids for (p, _, m), s in zip(CASES, knobs)]
+    assert want[0] != ar.generate(CASES[0][0], CASES[0][2], temperature=0.9, seed=13).token_ids  # the seed counts
+    llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=4, **SPEC)
+    sched = llm.scheduler()
+    cycle = itertools.cycle(range(len(sched.runner.shapes)))
+    sched.runner.policy.choose = lambda reqs, rows: next(cycle)
+    from trtllm_microspec.spec.sampling import SamplingParams
+    reqs = [sched.add(llm.prompt_ids(p), m, SamplingParams(**s)) for (p, _, m), s in zip(CASES, knobs)]
+    sched.run(reqs)
+    assert [r.out for r in reqs] == want
+    assert llm.generate(CASES[1][0], CASES[1][2], **knobs[1]).token_ids == want[1]  # alone, one request

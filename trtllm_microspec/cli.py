@@ -181,11 +181,12 @@ def cmd_generate(a) -> None:
 
     sampling = sampling_from_args(a)
     llm = llm_from_args(a)
+    prompts = read_prompts(a.prompts_file) if a.prompts_file else None
     if parallel.rank() > 0:  # the other ranks run the same steps and print nothing
-        llm.generate(a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
+        llm.generate(prompts or a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
         return
-    if a.prompts_file:  # one batch: every prompt decoded together, one JSON line or text block per prompt
-        for r in llm.generate(read_prompts(a.prompts_file), a.max_new_tokens, chat=a.chat, **sampling):
+    if prompts:  # one batch: every prompt decoded together, one JSON line or text block per prompt
+        for r in llm.generate(prompts, a.max_new_tokens, chat=a.chat, **sampling):
             print(json.dumps(r.to_dict()) if a.json else f"{r.text}\n[{r.num_new_tokens} tokens, "
                   f"{r.stats['wall_s']:.2f} s]\n")
         return

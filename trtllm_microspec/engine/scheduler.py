@@ -57,7 +57,6 @@ class Request:
     emits: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each step that emitted
     resumed: int = 0  # after a preemption: the emitted tokens prefilled again after the prompt
     preemptions: int = 0
-    rng: object = None  # a preempted sampling request's generator state, until it joins again
     accept_ratio: float | None = None  # the speculation policy's running acceptance of this request (policy.py)
 
     @property
@@ -294,7 +293,7 @@ class Scheduler:
         self._finish(req, "error")
 
     def _emit(self, req: Request, toks: list[int]) -> list[int]:
-        """Cut at EOS or the budget, as the single-request executor does."""
+        """Cut at EOS or the budget."""
         room = req.max_new_tokens - len(req.out)
         if len(toks) == 1:  # AR: one token (room >= 1: a request with no room has finished)
             stop = 0 if toks[0] in self.stop_ids else None
@@ -308,7 +307,7 @@ class Scheduler:
         if stop is not None or len(req.out) >= req.max_new_tokens:
             self._finish(req, "eos" if stop is not None else "max_tokens")
         elif req.n + self.runner.reserve >= self.runner.target.cfg.max_seq_len:  # no room for another step: the
-            self._finish(req, "length")  # single-request executor's rule, so the same tokens
+            self._finish(req, "length")
         return toks
 
     def run(self, requests: list[Request]) -> None:

@@ -18,8 +18,8 @@ class Stats:
     # batched engine: steps per tree size the speculation policy chose (1: a plain decode step, not a round)
     tree_sizes: dict = field(default_factory=dict)
     prefill_s: float = 0.0  # target prefill (+ top-K_pre, window start and draft prefill)
-    # the single-request path times a round's phases; the batched engine runs a round as one launch (one CUDA
-    # graph), so its requests have decode_s only (the steps they took part in) and None for the three phases
+    # the engine runs a round as one launch (one CUDA graph): a request has decode_s (the steps it took part in)
+    # and None for the three phases (kept for readers of the statistics; the profile splits the phases)
     draft_s: float | None = 0.0  # drafting the tree (depth + 1 draft forwards and head calls)
     verify_s: float | None = 0.0  # target pass over the tree, acceptance, KV compaction (AR: the decode steps)
     update_s: float | None = 0.0  # window update + gather (copy stream) overlapped with the draft's catch-up forward

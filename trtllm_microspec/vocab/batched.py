@@ -2,11 +2,11 @@
 membership and size are each one set of tensor ops over the whole batch, with no Python loop over requests.
 
   SharedVocab  full (EAGLE-2) or static (FR-Spec) rows, the same for every request: one GEMM over all B x T rows.
-  BatchWindow  the MicroSpec window of every batch slot: WindowVocab's state (layout in plugins/ops.py) with a
+  BatchWindow  the MicroSpec window of every batch slot: a window's state (layout in plugins/ops.py) with a
                leading batch-slot dimension. Its update is ops.window_update / ops.unique_first with that dimension:
                each request indexes its own slot's rows through flat views (slot * row length + index), so no
-               request ever reads or writes another's window. WindowVocab stays the single-request reference;
-               tests/test_batch_window.py checks that the two agree exactly. The fill (strategies.Fill) of each
+               request ever reads or writes another's window. tests/test_batch_window.py checks it against
+               one plain window per request (ops.window_update, whose CPU code is the op's reference). The fill (strategies.Fill) of each
                slot is kept beside it, [slots, F], and its rows are one [F, d] buffer that every slot shares.
 
 `batch` below is always a LongTensor [B] of the running requests' batch slots (distinct), in batch order.
@@ -17,26 +17,28 @@ import torch
 
 from plugins import ops
 
-from .strategies import Fill, WindowVocab
+from .strategies import Fill, Window
 
 
 def batch_vocab(vocab, slots: int):
-    """The single-request vocabulary -> the batched engine's: shared rows, or a window per batch slot."""
-    if isinstance(vocab, WindowVocab):
-        if not (vocab.use_prompt and vocab.use_rounds and vocab.use_packed):
-            raise ValueError("the batched engine runs the microspec windows only, not their ablations")
-        return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned.tolist(), slots,
-                           None if vocab.fill is None else vocab.fill.ids)
+    """make_vocab's vocabulary -> the batched engine's: shared rows, or a window per batch slot."""
+    if isinstance(vocab, Window):
+        fill = vocab.fill_ids
+        return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned, slots,
+                           None if fill is None else fill.to(vocab.head_w.device), vocab.use_prompt,
+                           vocab.use_rounds, vocab.use_packed)
     return SharedVocab(vocab)
 
 
 class SharedVocab:
     """A FullVocab or StaticVocab for the whole batch: no per-request state."""
+    use_prompt = True  # (a window's flag: whether it starts from the prompt, else from the first token's top-K)
 
     def __init__(self, vocab):
         self.vocab = vocab
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor) -> None:
+    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor,
+              first_topk: torch.Tensor | None = None) -> None:
         pass
 
     def update(self, batch: torch.Tensor, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
@@ -74,10 +76,15 @@ class BatchWindow:
     """The MicroSpec window (plugins/ops.py's state) of each of `slots` batch slots, reset when a request joins."""
 
     def __init__(self, head: torch.Tensor, w_max: int, pinned: list[int], slots: int,
-                 fill_ids: torch.Tensor | None = None):
-        """fill_ids: the fill's ranked ids (strategies.fill_ranking), or None for the paper's window."""
+                 fill_ids: torch.Tensor | None = None, use_prompt: bool = True, use_rounds: bool = True,
+                 use_packed: bool = True):
+        """fill_ids: the fill's ranked ids (strategies.fill_ranking), or None for the paper's window. The
+        ablations (strategies.Window.FLAGS): use_prompt False starts a window from the first token's top-K_ver instead
+        of the prompt stream (ext-only), use_rounds False never updates it (ctx-only), use_packed False scores
+        the window by gathering its head rows at every call instead of keeping them packed (naive)."""
         V, d = head.shape
         dev = head.device
+        self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, use_packed
         self.head_w, self.pinned = head, torch.tensor(sorted(set(pinned)), dtype=torch.long, device=dev)
         self.W, self.V, self.R = w_max, V, w_max + len(self.pinned)
         R = self.R
@@ -91,7 +98,7 @@ class BatchWindow:
         # packed[s, R] is slot s's padding sink; gathers aim all padding at the last slot's, which the CUDA
         # gather_rows kernel skips
         self.packed = torch.zeros(slots, R + 1, d, dtype=head.dtype, device=dev)
-        self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and use_packed else None
         self.in_flight: tuple | None = None
         self.fill = None if fill_ids is None else Fill(fill_ids, V, dev)
         F = 0 if self.fill is None else self.fill.F
@@ -111,21 +118,30 @@ class BatchWindow:
         self.id_of[slot, :P] = self.pinned
         self.packed[slot, :P] = self.head_w[self.pinned]
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor) -> None:
-        """A request joins batch slot `slot`: its window starts afresh from its prompt and top-K_pre ids."""
+    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor,
+              first_topk: torch.Tensor | None = None) -> None:
+        """A request joins batch slot `slot`: its window starts afresh from its prompt and top-K_pre ids (ext-only:
+        from first_topk, the target's top-K_ver after the prompt)."""
         self.reset(slot)
         batch = torch.tensor([slot], device=self.ring.device)
-        self._append(batch, torch.cat([prompt_ids, unique_first(prompt_topk[None], self.first, batch)[0]])[None])
+        if self.use_prompt:
+            stream = torch.cat([prompt_ids, unique_first(prompt_topk[None], self.first, batch)[0]])
+        else:
+            stream = first_topk.flatten()
+        self._append(batch, stream[None])
         self._refill(batch)  # the fill of the new window: nothing of the slot's last request's
 
     def update(self, batch: torch.Tensor, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
         """A round's stream of every request: tree_ids [B, n] then ver_ids [B, m], each de-duplicated per row."""
+        if not self.use_rounds:
+            return
         self._append(batch, torch.cat([unique_first(tree_ids, self.first, batch),
                                        unique_first(ver_ids, self.first, batch)], 1))
         self._refill(batch)
 
     def _refill(self, batch: torch.Tensor) -> None:
-        """WindowVocab._refill for every request at once (padding rows repeat the padding slot: same values)."""
+        """Each request's kept fill ids, from its window as it is now (padding rows repeat the padding slot: same
+        values)."""
         if self.fill is None:
             return
         in_window = self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + self.fill.ids] >= 0
@@ -180,6 +196,8 @@ class BatchWindow:
         self.slot_of[:, V:].fill_(-1)
         self.id_of[:, R:].fill_(-1)
 
+        if not self.use_packed:  # naive: the head gathers its rows at every call
+            return
         packed = self.packed.view(-1, self.packed.shape[-1])
         rows = torch.where(is_new, fresh, 0).flatten()
         dst = torch.where(is_new, at_r + slots, packed.shape[0] - 1).flatten()
@@ -206,7 +224,11 @@ class BatchWindow:
         R = self.R
         read = batch.clamp(max=top - 1)
         h = hidden.new_zeros(top, T, d).index_add_(0, read, torch.where((batch < top)[:, None, None], hidden, 0))
-        logits = torch.bmm(h, self.packed[:top, :R].transpose(1, 2)).index_select(0, read)
+        if self.use_packed:
+            rows = self.packed[:top, :R]
+        else:  # naive: an indexed GEMM over the window's scattered head rows, gathered at every call
+            rows = self.head_w[self.id_of[:top, :R].clamp(min=0)]
+        logits = torch.bmm(h, rows.transpose(1, 2)).index_select(0, read)
         id_of = self.id_of[read, None, :R]
         if self.fill is not None:  # the shared fill rows in one GEMM over every row, their columns first as alone
             logits = torch.cat([torch.nn.functional.linear(hidden, self.fill_rows), logits], -1)

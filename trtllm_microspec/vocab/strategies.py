@@ -26,6 +26,8 @@ an engine without one ranks by token id (see fill_ranking).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from plugins import ops
@@ -108,111 +110,41 @@ class Fill:
         return torch.where(out, self.ids, -1)
 
 
-class WindowVocab:
-    """The GPU-resident FIFO window over the candidate stream (state layout in plugins/ops.py), with an
-    optional fill (class Fill). Its packed rows are [fill F | window R | sink]: the fill's rows are gathered
-    once, and one packed_head over the first F + R rows scores both, the fill ids not kept masked as -1."""
+@dataclass(frozen=True)
+class Window:
+    """A MicroSpec window's settings; its state, one per batch slot, is vocab/batched.py's BatchWindow (the
+    layout of plugins/ops.py). Its scored rows are [fill F | window R]: the fill's rows gathered once, the
+    window's kept packed (gathered on a copy stream as ids enter), the fill ids not kept masked."""
 
     FLAGS = {"microspec": (True, True, True, FILL), "microspec-paper": (True, True, True, False),
              "ctx-only": (True, False, True, False), "ext-only": (False, True, True, False),
              "naive": (True, True, False, False)}  # name -> (prompt stream, round stream, packed buffer, fill)
 
-    def __init__(self, name: str, head: torch.Tensor, w_max: int, pinned: list[int],
-                 ranked_ids: torch.Tensor | None = None):
-        V, d = head.shape
-        dev = head.device
-        use_prompt, use_rounds, packed, fill = self.FLAGS[name]
-        self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev)
-        self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
-        self.R = R = w_max + len(self.pinned)
-        # R ranked ids: enough to fill every slot the window leaves free, whichever of them the window holds
-        self.fill = Fill(fill_ranking(ranked_ids, V, R), V, dev) if fill else None
-        F = self.fill.F if fill else 0
-        self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
-        self.head_pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.count = torch.zeros(V + 1, dtype=torch.int32, device=dev)
-        self.slot_of = torch.full((V + 1,), -1, dtype=torch.long, device=dev)
-        self.ids_all = torch.full((F + R + 1,), -1, dtype=torch.long, device=dev)
-        self.first = torch.full((V + 1,), ops.BIG, dtype=torch.long, device=dev)
-        self.rows_all = torch.zeros(F + R + 1, d, dtype=head.dtype, device=dev)  # last row: sink for padding
-        # the window's own state (plugins/ops.py's id_of and its packed rows) is the part after the fill
-        self.id_of_all, self.packed_all = self.ids_all[F:], self.rows_all[F:]
-        self.fill_id_of = self.ids_all[:F]  # the kept fill ids (-1: not kept)
-        if fill and packed:
-            self.rows_all[:F] = head[self.fill.ids]
-        self.packed, self.id_of = self.rows_all[:F + R], self.ids_all[:F + R]
-        # the gather of newly active rows runs on its own stream, hidden behind the draft backbone
-        self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and packed else None
-        self.in_flight: tuple | None = None
+    name: str
+    head_w: torch.Tensor  # [V, d] the draft head's rows (the target's LM head)
+    w_max: int
+    pinned: list[int]  # ids always in the window (EOS)
+    ranked_ids: torch.Tensor | None = None  # the fill's ranking (fill_ranking)
 
-    def reset(self) -> None:
-        P = len(self.pinned)
-        self.ring.fill_(-1)
-        self.head_pos.zero_()
-        self.count.zero_()
-        self.slot_of.fill_(-1)
-        self.ids_all.fill_(-1)
-        slots = torch.arange(P, device=self.ring.device)
-        self.count[self.pinned] = 1
-        self.slot_of[self.pinned] = slots
-        self.id_of_all[slots] = self.pinned
-        if self.use_packed:
-            ops.gather_rows(self.head_w, self.pinned, self.packed_all, slots)
+    @property
+    def use_prompt(self) -> bool:
+        return self.FLAGS[self.name][0]
 
-    def _append(self, ids: torch.Tensor) -> None:
-        if ids.numel() == 0:
-            return
-        rows, slots = ops.window_update(self.ring, self.head_pos, self.count, self.slot_of, self.id_of_all,
-                                        self.first, ids)
-        if not self.use_packed:
-            return
-        if self.copy_stream is None:
-            ops.gather_rows(self.head_w, rows, self.packed_all, slots)
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream())  # the window state is ready
-        with torch.cuda.stream(self.copy_stream):
-            ops.gather_rows(self.head_w, rows, self.packed_all, slots)
-        self.in_flight = (rows, slots)  # keep the inputs alive until the copy stream is done with them
+    @property
+    def use_rounds(self) -> bool:
+        return self.FLAGS[self.name][1]
 
-    def join(self) -> None:
-        """The compute stream waits for the gather: called after the draft forward it overlaps with."""
-        if self.in_flight is not None:
-            torch.cuda.current_stream().wait_stream(self.copy_stream)
-            self.in_flight = None
+    @property
+    def use_packed(self) -> bool:
+        return self.FLAGS[self.name][2]
 
-    def _refill(self) -> None:
-        """The fill of the window as it is now (on the compute stream: its rows need no gather)."""
-        if self.fill is not None:
-            free = self.R - (self.id_of_all[:self.R] >= 0).sum()
-            self.fill_id_of.copy_(self.fill.keep(self.slot_of[self.fill.ids] >= 0, free))
-
-    def start(self, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor, first_topk: torch.Tensor) -> None:
-        self.reset()
-        if self.use_prompt:
-            self._append(torch.cat([prompt_ids, ops.unique_first(prompt_topk, self.first)]))
-        else:
-            self._append(first_topk)
-        self._refill()
-
-    def update(self, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
-        if self.use_rounds:
-            self._append(torch.cat([ops.unique_first(tree_ids, self.first), ops.unique_first(ver_ids, self.first)]))
-            self._refill()
-
-    def head(self, hidden: torch.Tensor, k: int):
-        if not self.use_packed:  # naive: an indexed GEMM over scattered rows, every call
-            return ops.packed_head(hidden, self.head_w[self.id_of.clamp(min=0)], self.id_of, k)
-        return ops.packed_head(hidden, self.packed, self.id_of, k)
-
-    def size(self) -> torch.Tensor:
-        return (self.id_of >= 0).sum()  # the window's ids and the kept fill ids
-
-    def contains(self, ids: torch.Tensor) -> torch.Tensor:
-        inside = self.slot_of[ids] >= 0
-        if self.fill is None:
-            return inside
-        rank = self.fill.rank_of[ids]
-        return inside | (self.fill_id_of[rank.clamp(max=self.fill.F - 1)] >= 0) & (rank < self.fill.F)
+    @property
+    def fill_ids(self) -> torch.Tensor | None:
+        """R = W_max + pinned ranked ids: enough to fill every slot the window leaves free, whichever it holds."""
+        if not self.FLAGS[self.name][3]:
+            return None
+        R = self.w_max + len(set(self.pinned))
+        return fill_ranking(self.ranked_ids, self.head_w.shape[0], R)
 
 
 def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 3072,
@@ -223,4 +155,4 @@ def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 
         if ranked_ids is None:
             raise UserError("frspec needs token frequencies: run `microspec build-freq --engine DIR` first")
         return StaticVocab(head, ranked_ids, static_k, pinned)
-    return WindowVocab(method, head, w_max, pinned, ranked_ids)
+    return Window(method, head, w_max, list(pinned), ranked_ids)
