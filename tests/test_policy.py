@@ -103,9 +103,10 @@ def test_mocked_costs(expensive, engine_dir, random_draft_dir, alone):
 
 def test_window_survives_plain_steps(engine_dir, alone):
     """The shipped head with a window that evicts nothing (w_max 4096), the policy alternating plain steps and
-    full rounds: a plain step keeps every id of the request's window and adds its step's verified top-K ids
-    (the emitted token among them), and the rounds after plain steps still accept drafted tokens (the draft's
-    hidden and KV carried on), with AR's tokens."""
+    full rounds: a plain step leaves the request's window as it is and keeps its verified top-K ids for the next
+    round, after which the window holds every token emitted so far (plain steps' included) beside every id it
+    held; the rounds after plain steps still accept drafted tokens (the draft's hidden and KV carried on), with
+    AR's tokens."""
     llm = LLM(engine_dir, "microspec", device="cpu", max_batch=2, **{**SPEC, "w_max": 4096})
     sched = llm.scheduler()
     runner = sched.runner
@@ -117,16 +118,22 @@ def test_window_survives_plain_steps(engine_dir, alone):
     def window(slot):
         return set(v.id_of[slot, :v.R][v.id_of[slot, :v.R] >= 0].tolist())
 
-    plain_steps = 0
+    plain_steps = rounds = 0
     while not req.done:
         before = window(req.slot) if req.slot >= 0 and not req.prefilling else None
         slot = req.slot
         sched.step()
-        if before is not None and sched.history[-1].tree == 1 and not req.done:
-            after = window(slot)
-            assert before <= after and req.out[-1] in after, "a plain step lost or skipped window ids"
+        if before is None or req.done:
+            continue
+        after = window(slot)
+        if sched.history[-1].tree == 1:
+            assert after == before and (v.pending[slot] >= 0).any(), "a plain step changed the window"
             plain_steps += 1
-    assert plain_steps >= 3
+        else:
+            assert before <= after and set(req.out) <= after, "a round lost the plain steps' ids"
+            assert (v.pending[slot] == -1).all()
+            rounds += 1
+    assert plain_steps >= 3 and rounds >= 3
     assert req.out == LLM(engine_dir, "ar", device="cpu").generate(CASES[0][0], 24).token_ids
     assert req.stats.rounds >= 3 and req.stats.round_tokens > req.stats.rounds  # drafts still accepted
 

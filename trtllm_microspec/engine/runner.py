@@ -454,19 +454,25 @@ class SpecRunner(BatchRunner):
         # greedy rows: the argmax of every node; sampling rows: one draw per node with the uniform of its position
         choice = self.sampler.choose(logits.view(Bb * N, V), slots.repeat_interleave(N),
                                      (n[:, None] + 1 + tree.depth).flatten(), mode)
-        path, k, emitted = accept(tree, choice.view(Bb, N), P)
-        valid = steps[None, :] <= k[:, None]
-        size = vocab.size(slots)
-        covered = (vocab.contains(slots, emitted) & valid).sum(1)
-        on_path = logits if cfg is None else logits.gather(1, path[:, :, None].expand(Bb, P, V))  # plain: the root
-        ver = on_path.topk(self.k_ver, -1).indices
-        ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
-        if cfg is not None:  # the accepted path's KV to the committed slots (a plain row is there already)
+        real = (slots != self.pad)[:, None]  # a padding row adds nothing to the padding slot's window
+        if cfg is None:  # plain: the root's token; its verified ids wait for the request's next round
+            path = k = torch.zeros_like(root)
+            path, emitted = path[:, None], choice.view(Bb, 1)
+            size = covered = k
+            ver = logits[:, 0].topk(self.k_ver, -1).indices
+            vocab.defer(slots, torch.where(real, ver, -1))
+        else:
+            path, k, emitted = accept(tree, choice.view(Bb, N), P)
+            valid = steps[None, :] <= k[:, None]
+            size = vocab.size(slots)
+            covered = (vocab.contains(slots, emitted) & valid).sum(1)
+            ver = logits.gather(1, path[:, :, None].expand(Bb, P, V)).topk(self.k_ver, -1).indices
+            ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
+            # the accepted path's KV to the committed slots
             self.cache.move(physical(table, n[:, None] + path).flatten(),
                             physical(table, n[:, None] + steps).flatten())
-        real = (slots != self.pad)[:, None]  # a padding row adds nothing to the padding slot's window
-        # the gathers run on the copy stream, behind the draft forward
-        vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), torch.where(real, ver, -1))
+            # the gathers run on the copy stream, behind the draft forward
+            vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), torch.where(real, ver, -1))
         pos = (n[:, None] + steps).flatten()
         hid_path = hid.gather(1, path[:, :, None].expand(Bb, P, hid.shape[-1])).flatten(0, 1)
         h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal(P, dev).expand(Bb, P, P), S, table),

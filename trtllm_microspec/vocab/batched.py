@@ -44,6 +44,9 @@ class SharedVocab:
     def update(self, batch: torch.Tensor, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
         pass
 
+    def defer(self, batch: torch.Tensor, ver_ids: torch.Tensor) -> None:
+        pass
+
     def join(self) -> None:
         pass
 
@@ -57,6 +60,9 @@ class SharedVocab:
 
     def contains(self, batch: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.vocab.contains(ids)
+
+
+PENDING = 64  # BatchWindow: verified ids of plain steps kept per request until its next round
 
 
 def unique_first(ids: torch.Tensor, first: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
@@ -104,6 +110,10 @@ class BatchWindow:
         F = 0 if self.fill is None else self.fill.F
         self.fill_rows = head[self.fill.ids] if F else None  # [F, d], gathered once, shared by every slot
         self.fill_id_of = torch.full((slots, F), -1, dtype=torch.long, device=dev)  # kept fill ids, -1: not kept
+        # the verified ids of a request's plain steps (the speculation policy's), newest last, -1 = empty: they join
+        # its stream at its next round's update (a window update costs ~160 small kernels, the plain step they would
+        # be added to little more than the target's); the oldest drop out past PENDING
+        self.pending = torch.full((slots, PENDING), -1, dtype=torch.long, device=dev)
 
     def reset(self, slot: int) -> None:
         P = len(self.pinned)
@@ -113,6 +123,7 @@ class BatchWindow:
         self.slot_of[slot].fill_(-1)
         self.id_of[slot].fill_(-1)
         self.fill_id_of[slot].fill_(-1)
+        self.pending[slot].fill_(-1)
         self.count[slot, self.pinned] = 1
         self.slot_of[slot, self.pinned] = torch.arange(P, device=self.pinned.device)
         self.id_of[slot, :P] = self.pinned
@@ -132,12 +143,23 @@ class BatchWindow:
         self._refill(batch)  # the fill of the new window: nothing of the slot's last request's
 
     def update(self, batch: torch.Tensor, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
-        """A round's stream of every request: tree_ids [B, n] then ver_ids [B, m], each de-duplicated per row."""
+        """A round's stream of every request: the ids its plain steps deferred, then tree_ids [B, n], then
+        ver_ids [B, m], each part de-duplicated per row."""
         if not self.use_rounds:
             return
-        self._append(batch, torch.cat([unique_first(tree_ids, self.first, batch),
+        pending = self.pending.index_select(0, batch)
+        self._append(batch, torch.cat([unique_first(pending, self.first, batch),
+                                       unique_first(tree_ids, self.first, batch),
                                        unique_first(ver_ids, self.first, batch)], 1))
+        self.pending.index_fill_(0, batch, -1)
         self._refill(batch)
+
+    def defer(self, batch: torch.Tensor, ver_ids: torch.Tensor) -> None:
+        """A plain step's verified ids [B, m] (-1 = none) of every request, kept for its next round's update."""
+        if not self.use_rounds:
+            return
+        m = ver_ids.shape[1]
+        self.pending.index_copy_(0, batch, torch.cat([self.pending.index_select(0, batch)[:, m:], ver_ids], 1))
 
     def _refill(self, batch: torch.Tensor) -> None:
         """Each request's kept fill ids, from its window as it is now (padding rows repeat the padding slot: same
