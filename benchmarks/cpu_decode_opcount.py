@@ -16,7 +16,7 @@ VIEWS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_v
          "aten::resolve_conj", "aten::resolve_neg", "aten::result_type"}
 
 llm = LLM(sys.argv[1], "ar", device="cpu", dtype="float32", max_seq_len=512)
-t = llm.executor.target
+t = llm.target
 ids = torch.tensor(llm.prompt_ids("Hello there, how are you?", True))
 n = len(ids)
 pos = torch.arange(n)

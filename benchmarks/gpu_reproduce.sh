@@ -42,6 +42,10 @@
 #              $OUT/smol_head/head (config.json + model.safetensors: the format of trtllm_microspec/drafts/
 #              smollm2-135m), --eval on the GPU, then the new head beside the shipped one on the CPU in fp32 (the
 #              quickstart's tree, chat prompts of its kind) -> $OUT/smol_head/smol-head.md. ~7 min on an H200
+#   policy     the speculation policy (issue 22, ~5 min on an H200): ar, eagle and microspec with the fixed default
+#              tree and with --spec-policy auto, vLLM AR and vLLM EAGLE (the same head) beside, at POLICY_LEVELS on
+#              the load stage's Spec-Bench first turns (POLICY_K x c of them at level c), batched runs only; the
+#              acceptance and the tree sizes the policy chose per level in the table
 #   load       throughput under load (~5 min on an H200): the batched engine's step timeline at batch 64/128/256,
 #              then AR and vLLM on LOAD_LIMIT x 6 Spec-Bench first turns (240) at LOAD_LEVELS, batched runs only
 set -euo pipefail
@@ -57,6 +61,10 @@ METHODS=${METHODS:-ar,eagle,frspec,microspec}   # frspec needs `microspec build-
 LEVELS=${LEVELS:-1,2,4,8,16,32}  # sweep: the concurrency levels
 LOAD_LEVELS=${LOAD_LEVELS:-32,64,128,256}  # load: the concurrency levels
 LOAD_LIMIT=${LOAD_LIMIT:-40}  # load: first turns per Spec-Bench category (6 categories: 240 requests)
+POLICY_LEVELS=${POLICY_LEVELS:-1,4,16,64,256}  # policy: the concurrency levels
+POLICY_K=${POLICY_K:-4}      # policy: first turns per level, per unit of concurrency (level c decodes K x c)
+POLICY_TOKENS=${POLICY_TOKENS:-128}  # policy: new tokens per request
+POLICY_METHODS=${POLICY_METHODS:-ar,eagle@fixed,eagle@auto,microspec@fixed,microspec@auto,vllm,vllm-eagle}
 REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)
 FILL_SWEEP=${FILL_SWEEP:-1024}  # fill: W_max points beside the main 3072 (a comma list; empty: none)
 DISTILL_LIMIT=${DISTILL_LIMIT:-170}   # head-ab: seconds of distilling (engine load included)
@@ -250,6 +258,13 @@ print(f"\nto ship it: cp {new}/config.json {new}/model.safetensors trtllm_micros
       "the cached engine's copy (microspec build smollm2-135m --force)")
 EOF
       fi ;;
+    policy)
+      # 43 first turns of each of the 6 Spec-Bench categories: 258, enough for the 256 level
+      ms bench --engine "$KEY" --draft "$HEAD" --methods "$POLICY_METHODS" --concurrency "$POLICY_LEVELS" \
+        --requests-per-level "$POLICY_K" --batched-only --limit 43 \
+        --categories mt_bench,translation,summarization,qa,math_reasoning,rag --max-new-tokens "$POLICY_TOKENS" \
+        --warmup 1 --out "$OUT/policy_$KEY" 2>&1 | grep -E "tok/s|rror"
+      grep "^|" "$OUT/policy_$KEY/results.md" ;;  # batched-only: the one table is the in-flight batching one
     load)
       ms profile --engine "$KEY" --timeline --batch 64,128,256 --context 512 --new-tokens 128 \
         --out "$OUT/timeline_$KEY.md" 2>&1 | grep -E "^timeline:|rror"

@@ -1,5 +1,5 @@
-"""The batched MicroSpec window (vocab/batched.py) against B independent single-request windows (WindowVocab, the
-reference): after every round the same active ids in the same packed slots, the same packed rows, the same state,
+"""The batched MicroSpec window (vocab/batched.py) against B independent single-request windows (WindowVocab below,
+the plain reference, on the ops.window_update custom op): after every round the same active ids in the same packed slots, the same packed rows, the same state,
 the same fill and the same draft-head outputs, over random streams whose windows (W_max 16) wrap many times. Then
 the fill (strategies.Fill) against a plain-Python reference of its rule over random rounds."""
 from __future__ import annotations
@@ -7,11 +7,117 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plugins import ops
 from plugins.check import exact_inputs, stream_ids
 from trtllm_microspec.vocab.batched import BatchWindow
-from trtllm_microspec.vocab.strategies import WindowVocab
+from trtllm_microspec.vocab.strategies import Fill, Window, fill_ranking
 
 V, W, D, K, PINNED, SLOTS = 300, 16, 8, 4, [7, 0], 4
+
+
+class WindowVocab:
+    """One request's MicroSpec window, the plain reference of BatchWindow: the FIFO window over the candidate
+    stream by ops.window_update (state layout in plugins/ops.py), with an optional fill (strategies.Fill). Its packed rows are [fill F | window R | sink]: the fill's rows are gathered
+    once, and one packed_head over the first F + R rows scores both, the fill ids not kept masked as -1."""
+
+    FLAGS = Window.FLAGS
+
+    def __init__(self, name: str, head: torch.Tensor, w_max: int, pinned: list[int],
+                 ranked_ids: torch.Tensor | None = None):
+        V, d = head.shape
+        dev = head.device
+        use_prompt, use_rounds, packed, fill = self.FLAGS[name]
+        self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev)
+        self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
+        self.R = R = w_max + len(self.pinned)
+        # R ranked ids: enough to fill every slot the window leaves free, whichever of them the window holds
+        self.fill = Fill(fill_ranking(ranked_ids, V, R), V, dev) if fill else None
+        F = self.fill.F if fill else 0
+        self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
+        self.head_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.count = torch.zeros(V + 1, dtype=torch.int32, device=dev)
+        self.slot_of = torch.full((V + 1,), -1, dtype=torch.long, device=dev)
+        self.ids_all = torch.full((F + R + 1,), -1, dtype=torch.long, device=dev)
+        self.first = torch.full((V + 1,), ops.BIG, dtype=torch.long, device=dev)
+        self.rows_all = torch.zeros(F + R + 1, d, dtype=head.dtype, device=dev)  # last row: sink for padding
+        # the window's own state (plugins/ops.py's id_of and its packed rows) is the part after the fill
+        self.id_of_all, self.packed_all = self.ids_all[F:], self.rows_all[F:]
+        self.fill_id_of = self.ids_all[:F]  # the kept fill ids (-1: not kept)
+        if fill and packed:
+            self.rows_all[:F] = head[self.fill.ids]
+        self.packed, self.id_of = self.rows_all[:F + R], self.ids_all[:F + R]
+        # the gather of newly active rows runs on its own stream, hidden behind the draft backbone
+        self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and packed else None
+        self.in_flight: tuple | None = None
+
+    def reset(self) -> None:
+        P = len(self.pinned)
+        self.ring.fill_(-1)
+        self.head_pos.zero_()
+        self.count.zero_()
+        self.slot_of.fill_(-1)
+        self.ids_all.fill_(-1)
+        slots = torch.arange(P, device=self.ring.device)
+        self.count[self.pinned] = 1
+        self.slot_of[self.pinned] = slots
+        self.id_of_all[slots] = self.pinned
+        if self.use_packed:
+            ops.gather_rows(self.head_w, self.pinned, self.packed_all, slots)
+
+    def _append(self, ids: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        rows, slots = ops.window_update(self.ring, self.head_pos, self.count, self.slot_of, self.id_of_all,
+                                        self.first, ids)
+        if not self.use_packed:
+            return
+        if self.copy_stream is None:
+            ops.gather_rows(self.head_w, rows, self.packed_all, slots)
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream())  # the window state is ready
+        with torch.cuda.stream(self.copy_stream):
+            ops.gather_rows(self.head_w, rows, self.packed_all, slots)
+        self.in_flight = (rows, slots)  # keep the inputs alive until the copy stream is done with them
+
+    def join(self) -> None:
+        """The compute stream waits for the gather: called after the draft forward it overlaps with."""
+        if self.in_flight is not None:
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
+            self.in_flight = None
+
+    def _refill(self) -> None:
+        """The fill of the window as it is now (on the compute stream: its rows need no gather)."""
+        if self.fill is not None:
+            free = self.R - (self.id_of_all[:self.R] >= 0).sum()
+            self.fill_id_of.copy_(self.fill.keep(self.slot_of[self.fill.ids] >= 0, free))
+
+    def start(self, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor, first_topk: torch.Tensor) -> None:
+        self.reset()
+        if self.use_prompt:
+            self._append(torch.cat([prompt_ids, ops.unique_first(prompt_topk, self.first)]))
+        else:
+            self._append(first_topk)
+        self._refill()
+
+    def update(self, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
+        if self.use_rounds:
+            self._append(torch.cat([ops.unique_first(tree_ids, self.first), ops.unique_first(ver_ids, self.first)]))
+            self._refill()
+
+    def head(self, hidden: torch.Tensor, k: int):
+        if not self.use_packed:  # naive: an indexed GEMM over scattered rows, every call
+            return ops.packed_head(hidden, self.head_w[self.id_of.clamp(min=0)], self.id_of, k)
+        return ops.packed_head(hidden, self.packed, self.id_of, k)
+
+    def size(self) -> torch.Tensor:
+        return (self.id_of >= 0).sum()  # the window's ids and the kept fill ids
+
+    def contains(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = self.slot_of[ids] >= 0
+        if self.fill is None:
+            return inside
+        rank = self.fill.rank_of[ids]
+        return inside | (self.fill_id_of[rank.clamp(max=self.fill.F - 1)] >= 0) & (rank < self.fill.F)
 
 
 def ranking(g: torch.Generator, ids: int = V) -> torch.Tensor:
@@ -27,19 +133,21 @@ def assert_same(bw: BatchWindow, slot: int, ref: WindowVocab) -> None:
     assert torch.equal(bw.id_of[slot, :R], ref.id_of_all[:R])
     assert torch.equal(bw.fill_id_of[slot], ref.fill_id_of)
     live = ref.id_of_all[:R] >= 0
-    assert torch.equal(bw.packed[slot, :R][live], ref.packed_all[:R][live])
-    active = ref.id_of >= 0  # the kept fill ids and the window's
-    assert torch.equal(ref.packed[active], ref.head_w[ref.id_of[active]])
+    if bw.use_packed:  # naive keeps no packed rows: its head gathers them at every call
+        assert torch.equal(bw.packed[slot, :R][live], ref.packed_all[:R][live])
+        active = ref.id_of >= 0  # the kept fill ids and the window's
+        assert torch.equal(ref.packed[active], ref.head_w[ref.id_of[active]])
     assert bool((bw.first[slot] == ref.first).all())  # both scratches clean
 
 
-@pytest.mark.parametrize("method", ["microspec", "microspec-paper"])
+@pytest.mark.parametrize("method", list(WindowVocab.FLAGS))  # the windows and their ablations
 def test_batch_window_equals_independent_windows(method):
     g = torch.Generator().manual_seed(0)
     head = exact_inputs(g, V, D, dtype=torch.float32)  # exact GEMMs: bmm and linear give the same logits
     ranked = ranking(g)
-    fill = method == "microspec"
-    bw = BatchWindow(head, W, PINNED, SLOTS, ranked[:W + len(PINNED)] if fill else None)
+    use_prompt, use_rounds, packed, fill = WindowVocab.FLAGS[method]
+    bw = BatchWindow(head, W, PINNED, SLOTS, ranked[:W + len(PINNED)] if fill else None, use_prompt, use_rounds,
+                     packed)
     refs = {}
     for rnd in range(12):
         if rnd in (0, 5):  # requests join (slot 2 twice: its window restarts from nothing of the last request)
@@ -48,8 +156,9 @@ def test_batch_window_equals_independent_windows(method):
                 assert (refs[slot].fill is not None) == fill
                 refs[slot].reset()
                 prompt, topk = stream_ids(g, V, 5 + 7 * slot, 0.0), stream_ids(g, V, 10, 0.2)
-                bw.start(slot, prompt, topk)
-                refs[slot].start(prompt, topk, None)
+                first = torch.randperm(V, generator=g)[:3]  # the target's top-K_ver after the prompt (ext-only)
+                bw.start(slot, prompt, topk, first)
+                refs[slot].start(prompt, topk, first)
         batch = torch.tensor(list(refs))
         tree = torch.stack([stream_ids(g, V, 9, 0.1) for _ in refs])  # rows of padding-only appear by chance
         ver = torch.stack([stream_ids(g, V, 6 if rnd != 3 else 0, 0.3) for _ in refs])
@@ -66,7 +175,8 @@ def test_batch_window_equals_independent_windows(method):
             want_logp, want_ids = ref.head(hidden[b], K)
             assert torch.equal(logp[b], want_logp) and torch.equal(ids[b], want_ids)
             assert sizes[b] == ref.size() and torch.equal(inside[b], ref.contains(tree[b].clamp(min=0)))
-    assert bw.head_pos[2] > W and bw.head_pos[3] > 3 * W  # the rings wrapped
+    if use_rounds:
+        assert bw.head_pos[2] > W and bw.head_pos[3] > 3 * W  # the rings wrapped
     if fill:  # the windows were not always full, so the fills were used
         assert (bw.fill_id_of[list(refs)] >= 0).any()
 

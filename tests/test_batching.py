@@ -125,14 +125,13 @@ def test_error_and_refusals_return_blocks(ar, monkeypatch):
     assert sched.blocks.used == 0 and len(sched.runner.free_slots) == 3
     with pytest.raises(UserError, match="the prompt is empty"):
         sched.add([], 4)
-    with pytest.raises(UserError, match="runs one request at a time"):
-        LLM(ar.engine_dir, "naive", device="cpu").scheduler()
+    assert not LLM(ar.engine_dir, "naive", device="cpu").scheduler().runner.vocab.use_packed  # ablations batch too
 
 
 @pytest.mark.parametrize("method", ["ar", "microspec"])
 def test_budget_past_max_seq_len_stops_at_length(engine_dir, random_draft_dir, method):
-    """A budget larger than the room left runs, and stops where the single-request path stops (no room for one
-    more step: "length"), with the same tokens; only the prompt has a limit (the same on both paths)."""
+    """A budget larger than the room left runs, and stops alone and batched where there is no room for one more
+    step ("length"), with the same tokens; only the prompt has a limit (the same alone and batched)."""
     llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_seq_len=64, max_batch=2)
     prompt = "The sea is blue and wide, and the ships sail on it"
     alone = llm.generate(prompt, 100)
@@ -172,39 +171,42 @@ def test_spec_batch_equals_alone(method, budget, engine_dir, random_draft_dir, a
     no round runs): each request's tokens are AR's; each MicroSpec window ends exactly as the same request's window
     alone (so no token of another request ever entered it, and a chunked prefill starts it as a whole one does),
     and so does its fill (`microspec`)."""
-    llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
-    monkeypatch.setattr(llm.scheduler().runner, "max_num_tokens", budget)
+    # fixed: every step a round of the configured tree, alone as in the batch (the same rounds)
+    llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=2, spec_policy="fixed", **SPEC)
+    sched = llm.scheduler()
     window = method != "eagle"
     cases = [CASES[1], CASES[0], CASES[2]]
     want = [alone[1], alone[0], alone[2]]
-    windows = []
-    rounds = []
-    for p, c, m in cases[:2]:
-        r = llm.generate(p, m, chat=c)
-        assert r.token_ids == want[len(windows)]
-        rounds.append(r.stats["rounds"])
-        v = llm.executor.vocab
-        windows.append((v.ring.clone(), v.id_of_all[:v.R].clone(), v.fill_id_of.clone()) if window else None)
-    sched = llm.scheduler()
+    slot_of, final = {}, {}
+
+    def run(reqs, cancel=None):
+        """Steps until reqs are done; each request's window as it leaves (a later request resets its slot's)."""
+        while not all(r.done for r in reqs):
+            slot_of.update({r.rid: r.slot for r in reqs if r.slot >= 0})
+            sched.step()
+            for r in reqs:
+                if r.done and r.rid not in final and window and r is not cancel:
+                    v, slot = sched.runner.vocab, slot_of[r.rid]
+                    final[r.rid] = (v.ring[slot].clone(), v.id_of[slot, :v.R].clone(), v.fill_id_of[slot].clone())
+            if cancel is not None and cancel.out and not cancel.done:
+                sched.cancel(cancel)
+
+    solo = []
+    for p, c, m in cases[:2]:  # alone, with the whole budget: one prefill pass
+        solo.append(sched.add(llm.prompt_ids(p, c), m))
+        run(solo[-1:])
+        assert solo[-1].out == want[len(solo) - 1]
+    monkeypatch.setattr(sched.runner, "max_num_tokens", budget)
     reqs = [sched.add(llm.prompt_ids(p, c), m) for p, c, m in cases]
     cancel = reqs[2]
-    slot_of, final = {}, {}
-    while not all(r.done for r in reqs):
-        slot_of.update({r.rid: r.slot for r in reqs if r.slot >= 0})
-        sched.step()
-        for r in reqs[:2]:  # a request's window as it leaves (a later request resets its slot's window)
-            if r.done and r.rid not in final and window:
-                v, slot = sched.runner.vocab, slot_of[r.rid]
-                final[r.rid] = (v.ring[slot].clone(), v.id_of[slot, :v.R].clone(), v.fill_id_of[slot].clone())
-        if cancel.out and not cancel.done:
-            sched.cancel(cancel)
-    for r, w, n in zip(reqs[:2], want, rounds):
+    run(reqs, cancel)
+    for r, w, s in zip(reqs[:2], want, solo):
         assert r.out == w
-        assert r.stats.rounds == n and r.stats.vocab_max > 0  # the same drafts: the draft's prefill was the same
+        assert r.stats.rounds == s.stats.rounds and r.stats.vocab_max > 0  # the same drafts: the same prefill
     assert cancel.stats.stop_reason == "cancelled" and cancel.out == want[2][:len(cancel.out)]
     if window:
-        for r, alone_state in zip(reqs[:2], windows):
-            assert all(torch.equal(a, b) for a, b in zip(final[r.rid], alone_state))
+        for r, s in zip(reqs[:2], solo):
+            assert all(torch.equal(a, b) for a, b in zip(final[r.rid], final[s.rid]))
         assert (final[reqs[0].rid][2] >= 0).any() == (method == "microspec")
     sched.step()
     assert sched.blocks.used == 0
@@ -218,13 +220,17 @@ MIXED = [(CASES[1], {}), (CASES[0], dict(temperature=0.8, top_p=0.9, seed=1)),
 @pytest.mark.parametrize("method", ["ar", "microspec"])
 def test_sampled_batch_equals_alone(method, engine_dir, ar):
     """Greedy and sampled requests in one batch (3 slots, the fourth joins as one leaves): each gets exactly the
-    tokens it gets alone with the same SamplingParams and seed (the same random stream, drawn per request)."""
-    llm = ar if method == "ar" else LLM(engine_dir, method, device="cpu", max_batch=3, **SPEC)  # the trained head
+    tokens it gets alone with the same SamplingParams and seed (a token's uniform: a hash of the seed and its
+    position), and those are AR's."""
+    llm = ar if method == "ar" else LLM(engine_dir, method, device="cpu", max_batch=3, spec_policy="fixed",
+                                        **SPEC)  # the trained head
     want = [llm.generate(p, m, chat=c, **s).token_ids for (p, c, m), s in MIXED]
     sched = llm.scheduler()
     reqs = [sched.add(llm.prompt_ids(p, c), m, SamplingParams(**s)) for (p, c, m), s in MIXED]
     sched.run(reqs)
     assert [r.out for r in reqs] == want
+    if method != "ar":  # AR's sampled tokens themselves
+        assert want == [ar.generate(p, m, chat=c, **s).token_ids for (p, c, m), s in MIXED]
     assert want[2] == want[3] and want[2] != llm.generate(CASES[3][0], CASES[3][2], temperature=1.3, top_k=20,
                                                           seed=3).token_ids
     if method != "ar":  # sampled requests walked into the drafted trees, not only the target's own draws
@@ -236,28 +242,31 @@ def test_sampled_batch_equals_alone(method, engine_dir, ar):
 def test_padding_rows(engine_dir, alone):
     """3 requests in 4 batch slots: every round runs 4 rows (the batch-size bucket a CUDA graph is captured for),
     the last a padding row in the padding slot. The requests still get AR's tokens, and the padding rows leave the
-    padding slot's MicroSpec window empty."""
-    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, **SPEC)
+    padding slot's MicroSpec window as it starts (its pinned ids only)."""
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, spec_policy="fixed", **SPEC)
     sched = llm.scheduler()
     runner, rows = sched.runner, []
     real_round = runner._round
+    v = runner.vocab
+    pinned = v.id_of[runner.pad].clone()
+    assert (pinned[:len(v.pinned)] == v.pinned).all() and (pinned[len(v.pinned):] == -1).all()
 
-    def spy(Bb, top, S, mode):
+    def spy(shape, Bb, top, S, mode):
         rows.append((Bb, int((runner.inp[2, :Bb] == runner.pad).sum())))
-        real_round(Bb, top, S, mode)
+        real_round(shape, Bb, top, S, mode)
 
     runner._round = spy
     reqs = [sched.add(llm.prompt_ids(p, c), m) for p, c, m in CASES[1:]]
     sched.run(reqs)
     assert [r.out for r in reqs] == alone[1:]
     assert rows[0] == (4, 1)
-    assert (runner.vocab.ring[runner.pad] == -1).all() and (runner.vocab.id_of[runner.pad] == -1).all()
+    assert (v.ring[runner.pad] == -1).all() and (v.id_of[runner.pad] == pinned).all()
 
 
 def test_sampled_batch_bf16(engine_dir):
     """bf16 weights, sampled, alone and batched: the draft's hidden / temperature (fp32 knobs) meets the bf16 head
     rows."""
-    llm = LLM(engine_dir, "microspec", device="cpu", dtype="bfloat16", max_batch=2, **SPEC)
+    llm = LLM(engine_dir, "microspec", device="cpu", dtype="bfloat16", max_batch=2, spec_policy="fixed", **SPEC)
     assert llm.generate(CASES[1][0], 6, temperature=0.8, seed=1).num_new_tokens == 6
     results = llm.generate([CASES[1][0], CASES[3][0]], 6, temperature=0.8, seed=1)
     assert [r.num_new_tokens for r in results] == [6, 6] and all(r.stats["rounds"] > 0 for r in results)

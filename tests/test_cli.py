@@ -227,9 +227,9 @@ def test_tree_fits_the_device(capsys, engine, random_draft_dir):
     assert tree_for("cuda") == TreeConfig(depth=5, top_k=10, total_tokens=60)
     assert tree_for("cpu", depth=5) == TreeConfig(5, 4, 12)
     assert tree_for("cuda:1", total_tokens=30) == TreeConfig(5, 10, 30)
-    assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu").executor.tree == CPU_TREE
+    assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu").tree == CPU_TREE
     assert LLM(engine, "microspec", draft=random_draft_dir, device="cpu", depth=2, top_k=3,
-               total_tokens=8).executor.tree == TreeConfig(2, 3, 8)
+               total_tokens=8).tree == TreeConfig(2, 3, 8)
     code, out, _ = run(capsys, "generate", "--help")
     assert code == 0 and "default: 12 on a CPU, 60 on a GPU" in " ".join(out.split())
 
@@ -436,8 +436,8 @@ def test_message(capsys, engine, random_draft_dir, tmp_path, case, produce, word
 
 
 def test_prompts_file_requests_have_their_phase_times(capsys, engine, random_draft_dir, tmp_path):
-    """The batched engine times the steps each request took part in: prefill and decode; a batched round runs its
-    phases as one launch, so they are not split (None), where the single-request path splits them."""
+    """The engine times the steps each request took part in: prefill and decode; a round runs its phases as one
+    launch, so they are not split (None), a request alone (a batch of one) as a batch."""
     for method in ("ar", "microspec"):
         prompts = write(tmp_path / "p.txt", "Hi\nWhy is the sky blue?\n")
         code, out, err = run(capsys, *gen(engine, "--prompts-file", prompts, "--max-new-tokens", 6, "--json",
@@ -453,5 +453,4 @@ def test_prompts_file_requests_have_their_phase_times(capsys, engine, random_dra
     code, out, err = run(capsys, *gen(engine, "--prompt", "Hi", "--max-new-tokens", 6, "--json", "--method",
                                       "microspec", "--draft", random_draft_dir))
     s = json.loads(out)["stats"]
-    assert code == 0 and s["draft_s"] > 0 and s["verify_s"] > 0
-    assert s["decode_s"] == pytest.approx(s["draft_s"] + s["verify_s"] + s["update_s"])
+    assert code == 0 and s["draft_s"] is None and s["decode_s"] > 0 and s["prefill_s"] > 0

@@ -100,12 +100,35 @@ def test_layout_loads_and_is_lossless(engine_dir, ar, tmp_path, layout):
     assert raw["taps"] == ([1, L // 2, L - 4] if layout == LAYOUTS[2] else [2, L // 2, L - 3])
     assert "embed_tokens.weight" not in load_file(out / "model.safetensors")  # the target's own: dropped
     for method in ("eagle", "frspec", "microspec"):
-        llm = LLM(engine_dir, method, draft=out, device="cpu", **TREE)
+        llm = LLM(engine_dir, method, draft=out, device="cpu", spec_policy="fixed", **TREE)  # every step a round
         single = llm.generate(PROMPTS[0], N, chat=True)
         assert single.token_ids == ar[0], method
         assert single.stats["rounds"] < N  # a random head's drafts are still accepted at times
         assert [r.token_ids for r in llm.generate(PROMPTS, N, chat=True)] == ar, method
         assert llm.target.tapped.shape[-1] == 3 * llm.target.cfg.hidden_size
+
+
+@pytest.mark.parametrize("method", ["frspec", "microspec", "ctx-only", "ext-only", "naive"])
+def test_every_shape_and_ablation_equals_ar(engine_dir, ar, tmp_path, method):
+    """The one engine's other paths over an EAGLE-3 head: the speculation policy made to cycle through plain rows
+    (the draft fed its three tapped layers of a one-row pass) and every tree it may pick, for frspec (its own
+    vocabulary) and the windows and their ablations over the draft vocabulary: AR's tokens, alone and batched,
+    every shape run."""
+    import itertools
+
+    ids = torch.unique(torch.cat([some_ids(engine_dir), torch.tensor(sum(ar, []))]))
+    eagle3_checkpoint(engine_dir, tmp_path / "ck", LAYOUTS[1], ids)
+    out, _ = build_draft(tmp_path / "ck", engine_dir, tmp_path / "draft")
+    llm = LLM(engine_dir, method, draft=out, device="cpu", max_batch=4, depth=3, top_k=4, total_tokens=16)
+    runner = llm.scheduler().runner
+    assert len(runner.shapes) >= 3 and runner.shapes[0] is None  # plain rows, a smaller tree, the configured one
+    cycle = itertools.cycle(range(len(runner.shapes)))
+    runner.policy.choose = lambda reqs, rows: next(cycle)
+    assert llm.generate(PROMPTS[0], N, chat=True).token_ids == ar[0], method
+    results = llm.generate(PROMPTS, N, chat=True)
+    assert [r.token_ids for r in results] == ar, method
+    assert set(results[0].stats["tree_sizes"]) == {t.total_tokens if t else 1 for t in runner.shapes}
+    assert results[0].stats["rounds"] > 0
 
 
 @pytest.mark.parametrize("method", ["eagle", "microspec"])
@@ -121,10 +144,9 @@ def test_missing_token_never_proposed(engine_dir, ar, tmp_path, method):
     for name, ids in (("lacking", kept), ("control", every)):
         eagle3_checkpoint(engine_dir, tmp_path / name, LAYOUTS[0], ids)
         out, _ = build_draft(tmp_path / name, engine_dir, tmp_path / f"{name}-draft")
-        llm = LLM(engine_dir, method, draft=out, device="cpu", w_max=8, **TREE)
+        llm = LLM(engine_dir, method, draft=out, device="cpu", w_max=8, spec_policy="fixed", **TREE)
         seen = []
-        for holder in (llm.executor.vocab, llm.scheduler().runner.vocab):
-            spy(holder, seen)
+        spy(llm.scheduler().runner.vocab, seen)  # the one engine: a request alone runs as a batch of one
         assert llm.generate(PROMPTS[0], N, chat=True).token_ids == ar[0]
         assert [r.token_ids for r in llm.generate(PROMPTS, N, chat=True)] == ar
         proposed[name] = set(torch.cat([s.flatten() for s in seen]).tolist())

@@ -1,7 +1,7 @@
 """The batched engine's step under load (engine/scheduler.py, runner.py) on the CPU in fp32 with SmolLM2-135M:
 many requests of mixed prompt lengths, prompt chunks and decode rows in one pass under a token budget, KV blocks
 that grow with each request, preemption (recompute) when the pool runs out. Every request's tokens are those it
-gets alone (the single-request executor, same SamplingParams and seed); the budget holds in every step, as the
+gets alone (a batch of one, same SamplingParams and seed); the budget holds in every step, as the
 scheduler's own record says; every block and batch slot comes back.
 
 Scaled to the 2-core CI machine: the issue's 64 requests of 1 to 2,000 prompt tokens become 24 of 1 to 300
@@ -19,7 +19,11 @@ from trtllm_microspec.spec.sampling import GREEDY, SamplingParams
 
 
 def alone(llm: LLM, ids: list[int], max_new: int, params: SamplingParams = GREEDY) -> list[int]:
-    return [t for toks in llm.executor.run(ids, max_new, params) for t in toks]
+    """The request's tokens when it runs alone (a batch of one)."""
+    sched = llm.scheduler()
+    req = sched.add(ids, max_new, params)
+    sched.run([req])
+    return req.out
 
 
 def prompts(n: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -37,7 +41,7 @@ def check_pool(sched) -> None:
 def check_budget(sched, budget: int) -> None:
     """The budget holds in every step the scheduler recorded, counted from what it ran."""
     for rec in sched.history:
-        assert rec.tokens == rec.decodes * sched.runner.decode_rows + sum(rec.chunks) <= budget, rec
+        assert rec.tokens == rec.decodes * rec.tree + sum(rec.chunks) <= budget, rec
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def test_mixed_lengths_equal_alone(llm):
 def test_preempted_requests_equal_alone(engine_dir, llm):
     """A pool of 7 blocks (6 usable: 192 slots) for 6 requests of 40-100 prompt tokens and 40 new ones each: they
     join as their prompts fit, grow, and the ones that joined last are preempted and recomputed, sampled ones too
-    (their random stream goes on where it was). Each request's tokens are its tokens alone. (A sampled token is the
+    (their uniforms are those of their tokens' positions). Each request's tokens are its tokens alone. (A sampled token is the
     same alone and batched unless its uniform falls within fp32 rounding of a boundary of the inverse CDF: the batch's
     GEMM shapes move logits by ~2e-5. Seed 3 for the third request met one such tie, its CDF 2.4e-7 apart; so would
     the old engine. The seeds here meet none: the test is deterministic on a given machine.)"""

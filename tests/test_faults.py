@@ -249,7 +249,7 @@ def test_heavy_bodies_cost_only_their_own_clients(server, offline):
     *errors, loaded = concurrently([lambda: (start.wait(), refused())[1] for _ in range(10)] +
                                    [lambda: (start.wait(), time.sleep(0.05), ttft())[2]])
     llm = offline.llm
-    cap = llm.executor.max_prompt  # tokens, each at most the longest token's spelling in bytes
+    cap = llm.max_prompt  # tokens, each at most the longest token's spelling in bytes
     assert errors == [f"INVALID_ARGUMENT: text_input is 5242880 bytes: this engine holds at most {cap} prompt "
                       f"tokens, at most {cap * llm.tokenizer.max_token_bytes()} bytes"] * 10
     print(f"TTFT alone {alone * 1e3:.0f} ms, among 10 x 5 MB bodies {loaded * 1e3:.0f} ms")

@@ -1,4 +1,6 @@
-"""Greedy speculative decoding is lossless: every method emits exactly `LLM(engine, "ar")`'s tokens.
+"""Greedy speculative decoding is lossless: every method emits exactly `LLM(engine, "ar")`'s tokens, alone (a batch
+of one in the batched engine), every step a round of the configured tree (spec_policy fixed; test_policy.py
+checks every tree the auto policy may pick).
 
 Two drafts: the random EAGLE head (the real draft code path; it almost never gets a token accepted) and the
 target itself behind its own KV cache, fed token t+1 at position t like an EAGLE head. The latter predicts the
@@ -6,15 +8,13 @@ target well, so rounds accept several tokens and the multi-token paths (KV compa
 long accepted paths, eviction within one append under a small W_max) are exercised too."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from trtllm_microspec import LLM
 from trtllm_microspec.llm import FREQ_FILE, resolve_engine
-from trtllm_microspec.models.model import KVCache, ModelConfig
+from trtllm_microspec.models.model import ModelConfig
 from trtllm_microspec.models.tokenizer import Tokenizer
 from trtllm_microspec.spec.eagle import EagleDraft, draft_config, save_draft
 
@@ -63,14 +63,20 @@ def ar(engine):
 
 
 class SelfDraft:
-    """The target (same weights, its own KV cache) in the draft's seat."""
+    """The target (same weights) in the draft's seat, through the draft interface the engine calls: `cfg` (the
+    shapes of its KV pool, which the engine allocates) and `hidden(..., cache=)`."""
 
     def __init__(self, target):
-        self.model = copy.copy(target)  # shares the modules; the cache attribute below is its own
-        self.model.cache = KVCache(target.cfg, target.cfg.num_layers, target.cache.k.dtype, target.cache.k.device)
+        self.model, self.cfg = target, target.cfg
 
-    def __call__(self, tokens, features, positions, slots, span):
-        return self.model(tokens, positions, slots, span)
+    def hidden(self, tokens, features, positions, slots, span, cache):
+        return self.model(tokens, positions, slots, span, cache=cache)
+
+
+def self_drafted(llm):
+    """llm with the self-draft: its engine is made again around it."""
+    llm.draft, llm._scheduler = SelfDraft(llm.target), None
+    return llm
 
     def features(self, h):  # the rest of a draft head's interface (spec/eagle.py): the target's hidden as it is
         return h
@@ -117,18 +123,16 @@ def generate_all(llm, method, knobs, ar, cases=CASES) -> list[float]:
 def test_lossless_small_tree(method, engine, random_draft_dir, ar):
     """Depth 2, top_k 4, 10 tree tokens, W_max 16: with the random head, then with the self-draft (several
     tokens accepted per round, so one append can exceed the window)."""
-    llm = LLM(engine, method, draft=random_draft_dir, device="cpu", **SMALL)
+    llm = LLM(engine, method, draft=random_draft_dir, device="cpu", spec_policy="fixed", **SMALL)
     generate_all(llm, method, SMALL, ar)
-    llm.executor.draft = SelfDraft(llm.target)
-    accepted = generate_all(llm, method, SMALL, ar, CASES[:2])
+    accepted = generate_all(self_drafted(llm), method, SMALL, ar, CASES[:2])
     assert max(accepted) > 1.3, accepted  # multi-token paths were accepted, so those were checked
 
 
 @pytest.mark.parametrize("method", ["eagle", "microspec"])
 def test_lossless_default_tree(method, engine, random_draft_dir, ar):
     """The default knobs (depth 5, top_k 10, 60 tree tokens, W_max 3072) with the self-draft."""
-    llm = LLM(engine, method, draft=random_draft_dir, device="cpu")
-    llm.executor.draft = SelfDraft(llm.target)
+    llm = self_drafted(LLM(engine, method, draft=random_draft_dir, device="cpu", spec_policy="fixed"))
     accepted = generate_all(llm, method, {}, ar, CASES[:2])
     assert max(accepted) > 2, accepted
 
@@ -144,9 +148,8 @@ def test_lossless_gemma_sliding_window(tmp_path):
     ar.target.cfg.sliding_window = 4
     want = ar.generate(prompt, n)
     assert want.num_new_tokens == n
-    llm = LLM(engine, "microspec", draft=tmp_path, device="cpu", **SMALL)
+    llm = LLM(engine, "microspec", draft=tmp_path, device="cpu", spec_policy="fixed", **SMALL)
     llm.target.cfg.sliding_window = 4  # the self-draft shares this config
-    llm.executor.draft = SelfDraft(llm.target)
-    got = llm.generate(prompt, n)
+    got = self_drafted(llm).generate(prompt, n)
     check(llm, "microspec", SMALL, prompt, got, want)
     assert got.stats["acceptance_length"] > 1.3

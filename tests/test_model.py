@@ -1,5 +1,5 @@
 """Our Transformer against transformers' on the same dense weights (CPU, fp32), and the cache properties the
-executor relies on: prefill == token-by-token decode, and one tree-masked pass == decoding each branch.
+engine relies on: prefill == token-by-token decode, and one tree-masked pass == decoding each branch.
 
 transformers is only the reference here. Gemma-3 runs with its sliding window shrunk to 16 on both sides, so
 the 64-token prompt crosses the window and the sliding layers' masking is really compared."""
@@ -126,7 +126,7 @@ def test_decode_matches_prefill(case):
     assert (steps - full[h:]).abs().max() < 2e-3
 
 
-# a tree of 8 nodes after the prefix; parent index per node (root first), as the executor lays trees out
+# a tree of 8 nodes after the prefix; parent index per node (root first), as the engine lays trees out
 PARENT = [-1, 0, 0, 1, 1, 2, 3, 5]
 
 

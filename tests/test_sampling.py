@@ -12,10 +12,12 @@ import torch
 
 from trtllm_microspec import LLM
 from trtllm_microspec.cli import main
-from trtllm_microspec.engine import executor
+from trtllm_microspec.engine import runner
+from trtllm_microspec.models.model import Span
 from trtllm_microspec.models.registry import UserError
+from trtllm_microspec.spec.batch_tree import accept
 from trtllm_microspec.spec.sampling import Sampler, SamplingParams, target_probs
-from trtllm_microspec.spec.tree import Tree, accept
+from trtllm_microspec.spec.tree import Tree, causal
 
 
 def probs_of(logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -125,18 +127,23 @@ def grid_law(choose) -> dict:
     over the whole grid of per-level uniforms."""
     tree = synthetic_tree()
     logits = torch.tensor([P[s] for s in NODES]).log()
-    sampler = Sampler(lambda logits: logits.argmax(-1), torch.device("cpu"), 3)
+    sampler = Sampler(lambda logits: logits.argmax(-1), torch.device("cpu"))
     sampler.start(0, SamplingParams(temperature=1.0), 4)
     law = Counter()
     for u in itertools.product([(j + 0.5) / M for j in range(M)], repeat=3):
-        sampler.u.copy_(torch.tensor(u))
-        path, k, emitted = accept(tree, choose(sampler, logits, tree), 3)
-        law[tuple(emitted[: k + 1].tolist())] += 1 / M ** 3
+        sampler.uniform = lambda rows, pos, u=torch.tensor(u): u[pos]  # a node's position here: its tree level
+        path, k, emitted = accept(one(tree), choose(sampler, logits, tree)[None], 3)  # a batch of one round
+        law[tuple(emitted[0, : k[0] + 1].tolist())] += 1 / M ** 3
     return dict(law)
 
 
 def tv(a: dict, b: dict) -> float:
     return sum(abs(a.get(s, 0) - b.get(s, 0)) for s in a.keys() | b.keys()) / 2
+
+
+def one(tree: Tree) -> Tree:
+    """A tree as a batch of one (spec/batch_tree.py's layout)."""
+    return Tree(tokens=tree.tokens[None], parent=tree.parent[None], depth=tree.depth[None], anc=tree.anc[None])
 
 
 def first_child(tree: Tree, choice: torch.Tensor) -> torch.Tensor:
@@ -149,7 +156,7 @@ def first_child(tree: Tree, choice: torch.Tensor) -> torch.Tensor:
 def test_tree_rejection_sampling_is_exactly_lossless():
     want = ar_law()
     assert sum(want.values()) == pytest.approx(1.0)
-    # what the executor runs: one draw per node, walked like greedy
+    # what the engine runs: one draw per node, walked like greedy
     assert tv(grid_law(lambda s, logits, t: s.choose(logits, 0, t.depth, "sample")), want) < 1e-6
     assert tv(rejection_law(), want) < 1e-9  # ... is EAGLE-2's recursive rejection with point-mass proposals
     # the check has teeth: a broken rule, and the ratio rule with q = the draft softmax on a top-k tree, both fail
@@ -180,14 +187,16 @@ def ar(engine_dir):
 
 @pytest.fixture(scope="module")
 def spec(engine_dir):
-    return {m: LLM(engine_dir, m, **KNOBS) for m in ("eagle", "microspec")}
+    # fixed: every step a round (the checks below are about rounds; test_policy.py samples through every shape)
+    return {m: LLM(engine_dir, m, spec_policy="fixed", **KNOBS) for m in ("eagle", "microspec")}
 
 
 @pytest.fixture(scope="module")
 def exact(ar) -> dict:
     """The AR law of the first N_TOKENS tokens, computed from the target's processed distributions."""
     def law(ids, left):
-        _, h = ar.executor._prefill(ids)
+        pos = torch.arange(len(ids))
+        h = ar.target(torch.tensor(ids), pos, pos, Span(torch.tensor(0), causal(len(ids), "cpu"), len(ids)))
         p = probs_of(ar.target.logits(h[-1:]), SAMPLING["temperature"], SAMPLING["top_k"])[0]
         out = {}
         for y in p.nonzero().flatten().tolist():
@@ -235,9 +244,23 @@ def test_speculative_sampling_matches_ar(method, spec, exact):
     assert fits(counts, exact), counts
 
 
+def test_same_seed_same_tokens_as_ar(ar, spec):
+    """A token's uniform is a hash of the seed and its position (spec/sampling.py): with one seed, speculative
+    sampling emits AR's sampled tokens themselves, whatever the rounds accepted."""
+    for seed in range(4):
+        want = ar.generate(PROMPT, 8, seed=seed, **SAMPLING).token_ids
+        for llm in spec.values():
+            assert llm.generate(PROMPT, 8, seed=seed, **SAMPLING).token_ids == want, seed
+
+
 def test_the_check_fails_a_broken_acceptance_rule(spec, exact, monkeypatch):
     """The test above, with every node accepting its first child whatever the target drew: it must fail."""
-    monkeypatch.setattr(executor, "accept", lambda tree, choice, P: accept(tree, first_child(tree, choice), P))
+    def broken(tree, choice, P):  # first_child on each request's tree of the round
+        rows = [first_child(Tree(tokens=tree.tokens[b], parent=tree.parent[b], depth=tree.depth[b],
+                                 anc=tree.anc[b]), choice[b]) for b in range(choice.shape[0])]
+        return accept(tree, torch.stack(rows), P)
+
+    monkeypatch.setattr(runner, "accept", broken)
     counts, _ = sample_counts(spec["microspec"])
     assert not fits(counts, exact), counts
 

@@ -1,4 +1,4 @@
-"""The real tritonserver (nvidia-pytriton wheel) serving MicroSpec on the CPU: outputs equal the offline executor's,
+"""The real tritonserver (nvidia-pytriton wheel) serving MicroSpec on the CPU: outputs equal the offline LLM's,
 streaming and not, batched under concurrency; bad requests get clear errors; cancellation and shutdown never wedge
 it and give the batch's blocks back (the metrics port says so)."""
 from __future__ import annotations
@@ -282,7 +282,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, offl
 
 
 def test_sampled_request_equals_offline_with_the_same_seed(server, offline):
-    """TensorRT-LLM's sampling inputs reach the executor: the server's sampled text is the offline one of the same
+    """TensorRT-LLM's sampling inputs reach the engine: the server's sampled text is the offline one of the same
     seed (values exact in fp32, the inputs' type), and another seed gives another text."""
     inputs = {"temperature": 1.5, "top_p": 0.875, "top_k": 40, "random_seed": 7}
     want = offline.llm.generate(PROMPTS[3], MAX_TOKENS, temperature=1.5, top_p=0.875, top_k=40, seed=7)

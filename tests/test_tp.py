@@ -75,11 +75,12 @@ def split_engine(engine_dir, tmp_path_factory):
 
 
 def tp1_result(engine, method: str):
-    return LLM(engine, method, device="cpu").generate(PROMPT, NEW_TOKENS)
+    # fixed: every step a round, so that the rounds' statistics can be compared (auto picks from timings)
+    return LLM(engine, method, device="cpu", spec_policy="fixed").generate(PROMPT, NEW_TOKENS)
 
 
 def tp2_result(engine, method: str) -> dict:
-    r = mpirun(generate_args(engine, method, 2))
+    r = mpirun(generate_args(engine, method, 2, "--spec-policy", "fixed"))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, r.stdout  # only rank 0 prints

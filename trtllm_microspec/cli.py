@@ -72,6 +72,10 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    "max-batch x the rows a request decodes per step)")
     p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
                    "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
+    p.add_argument("--spec-policy", choices=["auto", "fixed"], default="auto", help="speculative methods in the "
+                   "batched engine: auto picks each step's draft tree (plain decoding included) from the step's "
+                   "measured cost and the requests' acceptance, for the most tokens per second; fixed always runs "
+                   "the configured tree")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -99,7 +103,8 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
                k_pre=a.k_pre, k_ver=a.k_ver, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
                total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
                tp=a.tp, tp_timeout=a.tp_timeout, max_batch=getattr(a, "max_batch", None),
-               kv_memory=getattr(a, "kv_memory", None), max_num_tokens=getattr(a, "max_num_tokens", None))
+               kv_memory=getattr(a, "kv_memory", None), max_num_tokens=getattr(a, "max_num_tokens", None),
+               spec_policy=getattr(a, "spec_policy", "auto"))
 
 
 def resolve_tree(a: argparse.Namespace, device: str | None = None):
@@ -177,11 +182,12 @@ def cmd_generate(a) -> None:
 
     sampling = sampling_from_args(a)
     llm = llm_from_args(a)
+    prompts = read_prompts(a.prompts_file) if a.prompts_file else None
     if parallel.rank() > 0:  # the other ranks run the same steps and print nothing
-        llm.generate(a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
+        llm.generate(prompts or a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
         return
-    if a.prompts_file:  # one batch: every prompt decoded together, one JSON line or text block per prompt
-        for r in llm.generate(read_prompts(a.prompts_file), a.max_new_tokens, chat=a.chat, **sampling):
+    if prompts:  # one batch: every prompt decoded together, one JSON line or text block per prompt
+        for r in llm.generate(prompts, a.max_new_tokens, chat=a.chat, **sampling):
             print(json.dumps(r.to_dict()) if a.json else f"{r.text}\n[{r.num_new_tokens} tokens, "
                   f"{r.stats['wall_s']:.2f} s]\n")
         return

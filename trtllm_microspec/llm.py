@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from . import parallel
-from .engine.executor import Executor
 from .engine.loader import load_target, one_line, pick_device, read_config
+from .engine.policy import POLICIES, tree_shapes
+from .engine.runner import check_request, round_reserve
 from .models.registry import MODELS, UserError, cache_dir
 from .spec.sampling import SamplingParams
 from .spec.tree import tree_for
 from .vocab.strategies import METHODS, make_vocab
 
-BATCHED = ("ar", "eagle", "frspec", "microspec", "microspec-paper")  # methods the batched engine runs
 DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
 FREQ_FILE = "token_freq.safetensors"  # FR-Spec's ranked token ids, stored with the engine
 
@@ -105,12 +105,15 @@ class LLM:
                  static_k: int = 32768, depth: int | None = None, top_k: int | None = None,
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
-                 max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None):
+                 max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
+                 spec_policy: str = "auto"):
         """depth / top_k / total_tokens left None: the device's tree (spec.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
         prompt chunks and decode rows together (None: 8192 on CUDA, 1024 on the CPU, at least max_batch x the rows
-        a request decodes in a step)."""
+        a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
+        included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
+        the configured tree)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
@@ -119,6 +122,9 @@ class LLM:
         check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, tree.depth, tree.top_k,
                     tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory, max_num_tokens)
         self.method = method
+        if spec_policy not in POLICIES:
+            raise UserError(f"unknown spec_policy {spec_policy!r}; choose one of {', '.join(POLICIES)}")
+        self.spec_policy = spec_policy
         if tp > 1:  # every rank builds the same LLM and runs the same steps (parallel.py)
             self.device = parallel.init(tp, self.device, tp_timeout)
         if self.device.index is not None:  # Triton kernels launch on the thread's current GPU, not the tensors' one
@@ -138,16 +144,19 @@ class LLM:
             except Exception as e:  # its files cut short or of another shape
                 raise UserError(f"draft {draft_dir} is damaged ({one_line(e)}): rebuild or retrain it") from None
             head, head_ids = draft_model.vocab_rows()  # EAGLE-3: its own LM head and the target id of each row
+            # frspec over an EAGLE-3 head is its own draft vocabulary: no ranking needed
             ranked = self._ranked_ids() if method != "eagle" and not (method == "frspec" and head_ids is not None) \
                 else None
             vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max, ranked_ids=ranked,
                                static_k=static_k, head_ids=head_ids, vocab_size=self.target.cfg.vocab_size)
-        self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,
-                                 cuda_graphs=cuda_graphs and self.device.type == "cuda")
-        if self.executor.max_prompt < 1:
+        self.draft, self.vocab, self.tree, self.k_pre, self.k_ver = draft_model, vocab, tree, k_pre, k_ver
+        # cache slots a step may write past a request's committed length: AR one, else the largest tree the
+        # speculation policy may pick
+        self.reserve = 1 if draft_model is None else max(round_reserve(t) for t in tree_shapes(tree, spec_policy) if t)
+        if self.max_prompt < 1:
             raise UserError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt: each step reserves "
-                            f"{self.executor.reserve} cache slots (raise max_seq_len or shrink the tree)")
-        self._lock = threading.Lock()  # one request at a time: the KV caches and the window are static
+                            f"{self.reserve} cache slots (raise max_seq_len or shrink the tree)")
+        self._lock = threading.Lock()  # one caller drives the engine at a time (serving has its own loop)
         from .engine.scheduler import DEFAULT_MAX_BATCH
         self.max_batch = max_batch or DEFAULT_MAX_BATCH[self.device.type]
         self.kv_memory, self.max_num_tokens = kv_memory, max_num_tokens
@@ -177,60 +186,74 @@ class LLM:
     def max_seq_len(self) -> int:
         return self.target.cfg.max_seq_len
 
+    @property
+    def max_prompt(self) -> int:
+        """The longest prompt a request may have: room for one step and its first token within max_seq_len."""
+        return self.max_seq_len - self.reserve - 1
+
+    def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """A UserError now for a request the engine could never run (the one rule of every path)."""
+        check_request(prompt_ids, max_new_tokens, self.max_seq_len, self.target.cfg.vocab_size, self.reserve)
+
     def prompt_ids(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
         return self.tokenizer.prompt_ids(prompt, chat)
 
     def stream_tokens(self, prompt: str | list[dict], max_new_tokens: int = 256, chat: bool = False,
                       incremental: bool = True, **sampling):
-        """Yields (text piece, new token ids) per step; the generator's return value is the Result.
-        sampling: SamplingParams' fields (temperature, top_p, top_k, seed); none given: greedy."""
+        """Yields (text piece, new token ids) per step; the generator's return value is the Result. The request
+        runs in the batched engine as a batch of one. sampling: SamplingParams' fields (temperature, top_p,
+        top_k, seed); none given: greedy. send(True) into the generator ends the request early (stop_reason
+        "stopped"), its statistics kept."""
         params = SamplingParams(**sampling)
         ids = self.prompt_ids(prompt, chat)
-        self.executor.check(ids, max_new_tokens)
+        self.check(ids, max_new_tokens)
+        sched = self.scheduler()
         with self._lock:
+            req = sched.add(ids, max_new_tokens, params)
             out: list[int] = []
             pending: list[int] = []  # tokens whose text has not been yielded yet
             sent = ""
-            steps = self.executor.run(ids, max_new_tokens, params)
-            end_now = None  # send(True) into this generator ends the request early, statistics kept
-            while True:
-                try:
-                    toks = steps.send(end_now)
-                except StopIteration as stop:
-                    stats = stop.value
-                    break
-                out += toks
-                pending += toks
-                if not incremental:  # generate(): decode once at the end, not every step
-                    continue
-                text = self.tokenizer.decode(out)
-                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-                    continue
-                piece, sent = text[len(sent):], text
-                end_now = yield piece, pending
-                pending = []
+            try:
+                while not req.done:
+                    for r, toks in sched.step():
+                        if r is not req or not toks:
+                            continue
+                        out += toks
+                        pending += toks
+                        if not incremental:  # generate(): decode once at the end, not every step
+                            continue
+                        text = self.tokenizer.decode(out)
+                        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                            continue
+                        piece, sent = text[len(sent):], text
+                        if (yield piece, pending) and not req.done:  # the caller ends it now
+                            sched.cancel(req)
+                            sched.step()  # the boundary: it leaves, its blocks go back
+                            req.stats.stop_reason = "stopped"
+                        pending = []
+            finally:
+                if not req.done:  # the caller went away (GeneratorExit): the request leaves the engine
+                    sched.cancel(req)
+                    sched.step()
             text = self.tokenizer.decode(out)
             if text != sent or pending:
                 yield text[len(sent):], pending
-        return Result(text=text, token_ids=out, num_new_tokens=len(out),
-                      stats={"method": self.method, **stats.summary()})
+        return self.result(req)
 
     def scheduler(self):
         """The batched engine (in-flight batching over a paged KV pool), made on first use."""
         if self._scheduler is None:
-            if self.method not in BATCHED:
-                raise UserError(f"method {self.method} runs one request at a time; batched: {', '.join(BATCHED)}")
-            if parallel.world() > 1:
-                raise UserError("the batched engine runs on one device; with --tp give one prompt at a time")
             from .engine.runner import BatchRunner, SpecRunner
             from .engine.scheduler import Scheduler
             if self.method == "ar":
                 runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs,
                                      max_num_tokens=self.max_num_tokens)
             else:
-                e = self.executor
-                runner = SpecRunner(self.target, e.draft, e.vocab, e.tree, e.k_pre, e.k_ver, self.max_batch,
-                                    self.kv_memory, self.cuda_graphs, self.max_num_tokens)
+                runner = SpecRunner(self.target, self.draft, self.vocab, self.tree, self.k_pre, self.k_ver,
+                                    self.max_batch, self.kv_memory, self.cuda_graphs, self.max_num_tokens,
+                                    self.spec_policy)
+                if self.cuda_graphs:  # the policy's step costs measured now, every graph it may pick captured
+                    runner.calibrate()
             self._scheduler = Scheduler(runner, self.max_batch)
         return self._scheduler
 

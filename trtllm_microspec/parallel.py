@@ -1,7 +1,7 @@
 """Tensor parallelism: the process group, this rank's place in it, the collectives the model calls, and the
 shard rules used when an engine is loaded.
 
-Every rank runs the same executor loop on the same inputs (SPMD, as TensorRT-LLM does); only the target's
+Every rank runs the same engine steps on the same inputs (SPMD, as TensorRT-LLM does); only the target's
 weights are split: q heads, k/v heads (replicated when there are fewer KV heads than ranks), gate|up columns
 and the vocabulary rows of the embedding and LM head. O and down are row-parallel and end in one all-reduce
 each. The EAGLE draft and the MicroSpec window are replicated, so they stay identical on every rank. At world
@@ -78,6 +78,19 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the ranks, in place (row-parallel O and down, the vocabulary-split embedding)."""
     dist.all_reduce(x)
     return x
+
+
+def agree(value: int, device: torch.device, op: str = "first") -> int:
+    """One integer the same on every rank: rank 0's ("first": a decision that rests on its own timings, such as
+    the speculation policy's), or the smallest ("min": a KV pool sized from each GPU's free memory)."""
+    if _world == 1:
+        return value
+    x = torch.tensor([value], dtype=torch.long, device=device)
+    if op == "min":
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    else:
+        dist.broadcast(x, src=0)
+    return int(x.item())
 
 
 def _gather(x: torch.Tensor) -> torch.Tensor:

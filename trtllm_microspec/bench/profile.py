@@ -31,7 +31,8 @@ from plugins.check_layers import random_tree
 
 from ..models.model import KVCache, Span
 from ..models.registry import UserError
-from ..spec.tree import TreeConfig, causal, draft_tree, verify
+from ..spec.batch_tree import draft_trees, verify
+from ..spec.tree import Tree, TreeConfig, causal
 from .kernels import COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, projection_lines, write_report
 
 
@@ -39,6 +40,7 @@ def run(a) -> None:
     from ..engine.loader import load_target
     from ..llm import resolve_engine
     from ..spec.eagle import EagleDraft, draft_config
+    from ..vocab.batched import SharedVocab
     from ..vocab.strategies import FullVocab
 
     if a.timeline and not torch.cuda.is_available():  # the CPU runs it too (no GPU times): a check of the tool
@@ -55,7 +57,7 @@ def run(a) -> None:
     c = target.cfg
     torch.manual_seed(0)
     draft = EagleDraft(draft_config(c), bias=False).setup(target, torch.bfloat16, dev)
-    vocab = FullVocab(target.head_weight)
+    vocab = SharedVocab(FullVocab(target.head_weight))
     g = torch.Generator().manual_seed(0)
     L, n, zero = a.prefill, torch.tensor(a.context, device=dev), torch.tensor(0, device=dev)
     ids = torch.randint(c.vocab_size, (max(L, a.context),), generator=g).to(dev)
@@ -71,15 +73,16 @@ def run(a) -> None:
         pos = torch.arange(a.context, device=dev)
         target(ids[:a.context], pos, pos, Span(zero, causal(a.context, dev), a.context))
 
-    from ..spec.tree import Tree
-
-    tree = Tree(tokens=tree_tokens, parent=torch.zeros_like(depth), depth=depth, anc=anc)
+    # one request of the batched round's functions (B = 1) on the target's own cache (no block table)
+    tree = Tree(tokens=tree_tokens[None], parent=torch.zeros_like(depth)[None], depth=depth[None], anc=anc[None])
+    n1, batch = n.view(1), torch.zeros(1, dtype=torch.long, device=dev)
+    dcache = KVCache(draft.cfg, draft.cfg.num_layers, torch.bfloat16, dev)
     phases = {
         "AR step (1 token + head + argmax)": lambda: target.logits(target(root, n.view(1), n.view(1),
                                                                          Span(n, one, S))).argmax(-1),
-        f"tree verify ({a.tree} tokens + head)": lambda: verify(target, tree, n, S),
-        f"draft phase (depth {cfg.depth}, top-{cfg.top_k}, full head)": lambda: draft_tree(draft, vocab, h_last, root,
-                                                                                         n, S, cfg),
+        f"tree verify ({a.tree} tokens + head)": lambda: verify(target, target.cache, tree, n1, None, S),
+        f"draft phase (depth {cfg.depth}, top-{cfg.top_k}, full head)": lambda: draft_trees(
+            draft, dcache, lambda h, k: vocab.head(h, batch, 1, k), h_last[None], root, n1, None, S, cfg),
         f"prefill ({L} tokens)": lambda: target(ids[:L], torch.arange(L, device=dev), torch.arange(L, device=dev),
                                                 Span(zero, causal(L, dev), L)),
     }

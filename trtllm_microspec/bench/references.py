@@ -6,7 +6,7 @@
   Face directory (and the head to vLLM's EAGLE layout). vLLM runs where it is importable (a CUDA machine with vLLM 0.26).
 
 Each has `device`, `engine_dir` and `generate(prompt, max_new_tokens, chat) -> Result` like our `LLM`, stops at the
-engine's EOS ids (the EOS token included, as our executor does) and reports new_tokens and wall_s.
+engine's EOS ids (the EOS token included, as our engine does) and reports new_tokens and wall_s.
 """
 from __future__ import annotations
 

@@ -74,7 +74,9 @@ def build_runs(a) -> list[dict]:
     """One entry per model configuration to measure: AR first, as every other run is compared with it, the outside
     references (hf, hf-compiled, vllm, vllm-eagle) last. A sweep point equal to the main run's setting is not run
     twice."""
-    runs = [{"label": m, "method": m} for m in dict.fromkeys(["ar", *a.methods]) if m not in REFERENCES]
+    # a speculative method may name its speculation policy: microspec@fixed, microspec@auto (else --spec-policy's)
+    runs = [{"label": m, "method": m.split("@")[0], **({"spec_policy": m.split("@")[1]} if "@" in m else {})}
+            for m in dict.fromkeys(["ar", *a.methods]) if m not in REFERENCES]
     runs += [{"label": f"frspec@K={k}", "method": "frspec", "static_k": k}
              for k in a.frspec_k if not (k == a.static_k and "frspec" in a.methods)]
     windows = [m for m in WINDOWS if m in a.methods] or ["microspec"]  # each window listed sweeps W_max
@@ -93,7 +95,8 @@ def make_model(a, run: dict):
     from ..cli import llm_from_args
 
     batch = {"max_batch": max(a.concurrency)} if a.concurrency else {}  # else the LLM's default
-    return llm_from_args(argparse.Namespace(**{**vars(a), "w_max": run["w_max"], "static_k": run["static_k"], **batch}),
+    return llm_from_args(argparse.Namespace(**{**vars(a), "w_max": run["w_max"], "static_k": run["static_k"], **batch,
+                                               "spec_policy": run.get("spec_policy", a.spec_policy)}),
                          method=run["method"])
 
 
@@ -140,10 +143,20 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
     with max_batch = c; vLLM through its own engine loop, at most c in flight (its max_num_seqs is the largest c).
     ar_ids (greedy): AR's tokens per (qid, turn), which each request of a batch must emit alone; its level counts
     those that differ (None without them: --batched-only)."""
-    prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
+    every = questions
+    if getattr(a, "requests_per_level", None):  # round-robin over the categories: every level samples all of them
+        rank: dict[str, int] = defaultdict(int)
+        order = []
+        for q in questions:
+            order.append((rank[q["category"]], len(order)))
+            rank[q["category"]] += 1
+        every = [questions[i] for _, i in sorted(order)]
     ours = hasattr(model, "scheduler")
     out = []
     for c in a.concurrency:
+        # --requests-per-level K: the first K x c first turns at level c (a low level finishes in seconds)
+        questions = every[:c * a.requests_per_level] if getattr(a, "requests_per_level", None) else every
+        prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
         if ours:
             model.scheduler().max_batch = c  # the runner is sized for the largest level
 
@@ -181,6 +194,9 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             compare({(q["qid"], 0): r.token_ids for q, r in zip(questions, results)}, ar_ids))
         if ours:
             s["steps"] = step_summary(model.scheduler())
+            rounds = sum(r.stats.get("rounds") or 0 for r in results)  # speculative rounds (no plain steps)
+            s["acceptance_length"] = sum(r.stats.get("round_tokens") or 0 for r in results) / rounds if rounds \
+                else None
         if fallback:
             s["all_at_once"] = True
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
@@ -198,7 +214,9 @@ def step_summary(sched) -> dict:
     return {"steps": len(ran), "mixed_steps": sum(1 for r in ran if r.chunks),
             "tokens_per_step": percentiles([r.tokens for r in ran]),
             "preempted": sum(r.preempted for r in recs),
-            "step_ms": percentiles([r.step_s * 1e3 for r in ran])}
+            "step_ms": percentiles([r.step_s * 1e3 for r in ran]),
+            # the speculation policy's choices: decoding steps per tree size (1: plain decoding)
+            "tree_sizes": {t: sum(1 for r in ran if r.tree == t) for t in sorted({r.tree for r in ran if r.tree})}}
 
 
 def batch_summary(per_request: list[dict], wall: float, concurrency: int, inter_token: list[float]) -> dict:
@@ -217,8 +235,8 @@ def summarize(records: list[dict]) -> dict:
         per_q[r["qid"]][0] += r["new_tokens"]
         per_q[r["qid"]][1] += r["time_s"]
     speeds = [n / s for n, s in per_q.values()]
-    rounds = sum(r.get("rounds", 0) for r in records)
-    emitted = sum(r["new_tokens"] - 1 for r in records if r.get("rounds"))
+    rounds = sum(r.get("rounds", 0) for r in records)  # speculative rounds (the policy's plain steps are none)
+    emitted = sum(r.get("round_tokens", 0) for r in records)
     covered = [(r["coverage"], r["new_tokens"] - 1) for r in records if r.get("coverage") is not None]
     return {
         "questions": len(per_q),
@@ -226,7 +244,9 @@ def summarize(records: list[dict]) -> dict:
         "new_tokens": sum(r["new_tokens"] for r in records),
         "speed": sum(speeds) / len(speeds),
         "acceptance_length": emitted / rounds if rounds else None,
-        "draft_share": sum(r.get("draft_s") or 0.0 for r in records) / sum(r["time_s"] for r in records),
+        # None: the engine runs a round as one launch (the profile splits its phases)
+        "draft_share": sum(r["draft_s"] for r in records if r.get("draft_s") is not None) / sum(
+            r["time_s"] for r in records) if any(r.get("draft_s") is not None for r in records) else None,
         "vocab_mean": sum(r["vocab_mean"] * r["rounds"] for r in records if r.get("rounds")) / rounds if rounds else None,
         "coverage": sum(c * n for c, n in covered) / max(1, sum(n for _, n in covered)) if covered else None,
     }
@@ -305,11 +325,12 @@ def markdown(res: dict) -> str:
                    "- with --batched-only). Steps: our engine's steps (those with prompt chunks), target rows per "
                    "step p50 / p99, requests preempted, host time per step p50 (ms)."), "",
                   "| method | concurrency | requests | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | "
-                  "p99 (ms) | differ from AR | steps (mixed) | rows/step p50 / p99 | preempted | step ms p50 |",
-                  "|---" * 16 + "|"]
+                  "p99 (ms) | differ from AR | steps (mixed) | rows/step p50 / p99 | preempted | step ms p50 | "
+                  "acceptance | decoding steps per tree size |", "|---" * 18 + "|"]
         lines += [f"| {n} | {b['concurrency']} | {b['requests']} | {b['requests_per_s']:.2f} | "
                   f"{b['output_tokens_per_s']:.1f} | {ms(b['ttft_s'])} | {ms(b['itl_s'])} | "
-                  f"{_fmt(b.get('mismatches'), 'd')} | {steps_cells(b.get('steps'))} |"
+                  f"{_fmt(b.get('mismatches'), 'd')} | {steps_cells(b.get('steps'))} | "
+                  f"{_fmt(b.get('acceptance_length'), '.2f')} | {tree_cell(b.get('steps'))} |"
                   for n, levels in batched.items() for b in levels]
     cov = res.get("static_coverage")
     if cov:
@@ -326,6 +347,13 @@ def steps_cells(st: dict | None) -> str:
         return "- | - | - | -"
     return (f"{st['steps']} ({st['mixed_steps']}) | {_fmt(st['tokens_per_step']['p50'], '.0f')} / "
             f"{_fmt(st['tokens_per_step']['p99'], '.0f')} | {st['preempted']} | {_fmt(st['step_ms']['p50'], '.2f')}")
+
+
+def tree_cell(st: dict | None) -> str:
+    """{60: 812, 1: 40} -> "60: 812, 1: 40" (tree tokens: decoding steps); "-" for vLLM."""
+    if not st or not st.get("tree_sizes"):
+        return "-"
+    return ", ".join(f"{t}: {n}" for t, n in sorted(st["tree_sizes"].items(), key=lambda x: -int(x[0])))
 
 
 def sampling_text(config: dict) -> str:
@@ -346,9 +374,11 @@ def cmd_bench(a) -> None:
         raise UserError(f"the outside references ({', '.join(REFERENCES)}) run greedy only: leave them out of "
                         f"--methods when sampling")
 
+    from ..engine.policy import POLICIES
     for m in a.methods:
-        if m not in METHODS + REFERENCES:
-            raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS + REFERENCES)}")
+        if m not in METHODS + REFERENCES and not (m.split("@")[0] in METHODS and m.split("@")[-1] in POLICIES):
+            raise UserError(f"unknown method {m!r}; choose from {', '.join(METHODS + REFERENCES)} (a method may "
+                            f"end in @{'/@'.join(POLICIES)}: its speculation policy)")
     if {VLLM, VLLM_EAGLE} & set(a.methods):
         require_vllm()  # before any run: the whole benchmark was asked for with it
     for c in a.categories:
@@ -358,18 +388,17 @@ def cmd_bench(a) -> None:
         raise UserError("--limit must be at least 1")
     if a.server and not a.concurrency:
         raise UserError("--server measures a running server under load: give --concurrency too")
+    if a.requests_per_level is not None and (a.requests_per_level < 1 or not a.concurrency):
+        raise UserError("--requests-per-level must be at least 1, with --concurrency")
     if a.batched_only and not a.concurrency:
         raise UserError("--batched-only measures the --concurrency levels only: give --concurrency")
     if a.concurrency is not None and not a.server:
-        from ..llm import BATCHED
-
-        unbatched = [m for m in a.methods if m not in BATCHED + (VLLM, VLLM_EAGLE)]
+        unbatched = [m for m in a.methods if m in (HF, HF_COMPILED)]
         if not a.concurrency or min(a.concurrency) < 1:
             raise UserError("--concurrency must be a comma list of numbers of at least 1")
         if unbatched:
-            raise UserError(f"--concurrency runs the batched engine, which runs {', '.join(BATCHED)} (and vLLM "
-                            f"batches), not "
-                            f"{', '.join(unbatched)}")
+            raise UserError(f"--concurrency runs the batched engine, which runs every method (and vLLM batches), "
+                            f"not {', '.join(unbatched)}")
         if a.tp > 1:
             raise UserError("--concurrency runs the batched engine, on one device (no --tp)")
     from ..cli import resolve_tree
@@ -523,8 +552,12 @@ def register(sub) -> None:
     p.add_argument("--server", help="with --concurrency: load a running `microspec serve` instead of a model "
                    "here, at its gRPC address (host:port) or OpenAI endpoint (http://host:port/v1); --methods and the "
                    "model options are then the server's")
+    p.add_argument("--spec-policy", choices=["auto", "fixed"], default="auto", help="the batched engine's "
+                   "speculation policy for every speculative method not naming its own (METHOD@fixed, METHOD@auto)")
     p.add_argument("--max-num-tokens", type=int, help="the batched engine's tokens of target work per step "
                    "(default: 8192 on CUDA, 1024 on the CPU)")
+    p.add_argument("--requests-per-level", type=int, help="with --concurrency: level c decodes only the first "
+                   "c x this many first turns (default: all of them at every level)")
     p.add_argument("--batched-only", action="store_true", help="with --concurrency: only the batched levels, no "
                    "request-at-a-time run per question (a load sweep in minutes; no per-category tables, and no "
                    "comparison with AR alone)")

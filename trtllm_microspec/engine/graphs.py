@@ -1,5 +1,5 @@
 """CUDA graphs captured by hand, one per (phase, bucket key): the key is whatever changes the captured work, the
-KV-length bucket and (executor) the sampling mode, or (batched runner) the batch-size bucket.
+KV-length bucket, the batch-size bucket, the sampling mode and (speculative) the tree shape and head-slots bucket.
 
 A phase is a function that reads and writes persistent tensors (state updated in place) and may leave
 new tensors as attributes for the next phase. The first round of a bucket runs every phase eagerly (this

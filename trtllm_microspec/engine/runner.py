@@ -11,33 +11,59 @@ request of length 0 in the padding slot, whose table points at the pool's block 
 prompt chunks runs eagerly: its rows are packed (no padding), each chunk attends as its own Span, the decode rows as
 one (plugins/layers.py Spans).
 
-Sampling: each batch slot is a row of one Sampler (spec/sampling.py), set when a request joins, with its own
-generator; a request draws its uniforms as the single-request executor does (one draw before its first token, one
-before each step), so its tokens are those it gets alone with the same SamplingParams and seed. A preempted request
-keeps its generator's state and gets it back when it joins again.
+Sampling: each batch slot is a row of one Sampler (spec/sampling.py), set when a request joins, with the key of its
+seed; the uniform of a token is a hash of that key and the token's position, computed inside the step, so a
+request's tokens are those it gets alone with the same SamplingParams and seed, whatever the batch, the step's tree
+or a preemption (recomputed, its tokens keep their positions).
 """
 from __future__ import annotations
 
 import heapq
+import time
 
 import torch
 
 from plugins.layers import KV_BLOCK
 
+from .. import parallel
 from ..models.model import KVCache, Span, Spans, Transformer
 from ..models.registry import UserError
 from ..spec.batch_tree import accept, draft_trees, physical, verify
 from ..spec.sampling import Sampler, tempered
-from ..spec.tree import TreeConfig, causal
+from ..spec.tree import Tree, TreeConfig, causal
 from ..vocab.batched import batch_vocab
 from .block_manager import BlockManager, pool_blocks
-from .executor import PREFILL_CHUNK, check_request, round_reserve
 from .graphs import GraphRunner, bucket_for
+from .policy import SpecPolicy, StepCosts, tree_shapes
 
 DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / GiB on the CPU
 # tokens of target work per step (prompt chunks + decode rows): a GPU step at 8k rows is GEMM-bound (vLLM chunks at
 # 8k-16k); on the CPU a smaller pass keeps the running requests' inter-token latency bounded
 DEFAULT_MAX_NUM_TOKENS = {"cuda": 8192, "cpu": 1024}
+PREFILL_CHUNK = 512  # prompt rows per LM-head call when collecting top-K_pre (never [L x V] at once)
+
+
+def round_reserve(tree: TreeConfig | None) -> int:
+    """Cache slots a step may write past the committed length: a speculative round's tree, compacted path and
+    draft expansions; an AR step its one token (tree None)."""
+    return max(tree.total_tokens, tree.max_path + tree.draft_slots) if tree else 1
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, vocab_size: int,
+                  reserve: int) -> None:
+    """The one rule for a request, on every path (generate, a batch, serving): a prompt leaves room for one step
+    (`reserve` slots) and its first token within max_seq_len."""
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    if max_new_tokens <= 0:
+        raise UserError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    limit = max_seq_len - reserve - 1
+    if len(prompt_ids) > limit:
+        room = "one speculative round (its draft tree) and" if reserve > 1 else "one decode step and"
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; this engine accepts at most {limit}: max_seq_len "
+                        f"{max_seq_len} less {reserve + 1} cache slots of room for {room} the next token")
+    if max(prompt_ids) >= vocab_size or min(prompt_ids) < 0:
+        raise UserError("the prompt has token ids outside the vocabulary")
 
 
 def batch_bucket(B: int, max_batch: int) -> int:
@@ -52,7 +78,7 @@ class BatchRunner:
     prefill_cap: int | None = None  # prompt tokens a step may take besides the budget (None: the budget alone)
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
-                 cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1, levels: int = 1,
+                 cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1,
                  max_num_tokens: int | None = None, decode_rows: int = 1):
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
         self.target, self.max_batch, self.device = target, max_batch, dev
@@ -69,7 +95,9 @@ class BatchRunner:
         per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
         # table columns: S buckets reach up to max_seq_len, a padded prefill chunk (SpecRunner) up to a budget past it
         width = -(-(c.max_seq_len + self.max_num_tokens) // KV_BLOCK)
-        self.blocks = BlockManager(pool_blocks(kv_memory, per_block, dev), -(-c.max_seq_len // KV_BLOCK))
+        # under --tp every rank schedules alike: the same pool on each (the smallest of their free memories)
+        self.blocks = BlockManager(parallel.agree(pool_blocks(kv_memory, per_block, dev), dev, "min"),
+                                   -(-c.max_seq_len // KV_BLOCK))
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
         # one table row per batch slot, plus the padding slot (all block 0)
         self.table = torch.zeros(max_batch + 1, width, dtype=torch.long, device=dev)
@@ -80,8 +108,7 @@ class BatchRunner:
         self.inp = torch.zeros(3, max_batch, dtype=torch.long, device=dev)  # rows: last token, n, batch slot
         self.next = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.one = causal(1, dev)[None]
-        # a row per batch slot and the padding slot (greedy); `levels` uniforms per step: AR one, a tree one per level
-        self.sampler = Sampler(target.argmax, dev, levels, max_batch + 1)
+        self.sampler = Sampler(target.argmax, dev, max_batch + 1)  # a row per batch slot and the padding slot (greedy)
         self.graphs = GraphRunner() if cuda_graphs else None
         self.tri = causal(1, dev)  # the causal mask of the longest chunk so far: a chunk's mask is a view of it
 
@@ -98,9 +125,6 @@ class BatchRunner:
         row[:len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         self.table[req.slot].copy_(row)
         self.sampler.start(req.slot, req.params, self.target.cfg.vocab_size)
-        if req.rng is not None:  # a preempted request goes on with its own random stream
-            self.sampler.generators[req.slot].set_state(req.rng)
-            req.rng = None
 
     def map_blocks(self, updates: list[tuple[int, int, int]]) -> None:
         """(batch slot, table column, block) of every block handed out this step, into the table in one write."""
@@ -114,10 +138,13 @@ class BatchRunner:
             req.slot = -1
 
     def preempt(self, req) -> None:
-        """The request leaves to be recomputed later; its random stream is kept for then."""
-        if not req.params.greedy:
-            req.rng = self.sampler.generators[req.slot].get_state()
+        """The request leaves to be recomputed later (its uniforms are those of its tokens' positions: the same
+        then)."""
         self.leave(req)
+
+    def plan(self, reqs: list) -> int:
+        """Target rows each decoding request adds to this step (AR: one)."""
+        return 1
 
     def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
         """One target pass: the next chunk of each (request, chunk length) being prefilled and one decode row per
@@ -136,12 +163,16 @@ class BatchRunner:
         ends = [b for b, (req, c) in enumerate(chunks) if req.prefilled + c == req.seq_len]  # prompt done: a token
         rows = [int(offsets[b]) + lens[b] - 1 for b in ends] + list(range(P, P + len(decodes)))
         sample = [chunks[b][0].slot for b in ends] + [r.slot for r in decodes]
+        # the position of each sampled token: after its prompt, or after its request's last token
+        at = [starts[b] + lens[b] for b in ends] + [r.n + 1 for r in decodes]
         # every index of the pass in one host -> device copy
         host = torch.cat([torch.tensor(ids), slots, torch.tensor([r.n for r in decodes], dtype=torch.long),
                           torch.tensor(starts), torch.tensor(rows, dtype=torch.long),
-                          torch.tensor(sample + [r.slot for r in decodes], dtype=torch.long)])
-        dv = host.to(dev).split([len(ids), P, len(decodes), len(chunks), len(rows), len(sample) + len(decodes)])
-        tokens, n_dec, n_chunk, rows_d, slot_d = dv[0], dv[2], dv[3], dv[4], dv[5]
+                          torch.tensor(sample + [r.slot for r in decodes], dtype=torch.long),
+                          torch.tensor(at, dtype=torch.long)])
+        dv = host.to(dev).split([len(ids), P, len(decodes), len(chunks), len(rows), len(sample) + len(decodes),
+                                 len(at)])
+        tokens, n_dec, n_chunk, rows_d, slot_d, at_d = dv[0], dv[2], dv[3], dv[4], dv[5], dv[6]
         slots_d = torch.cat([dv[1], n_dec])
         if max(lens) > self.tri.shape[0]:
             self.tri = causal(1 << (max(lens) - 1).bit_length(), dev)
@@ -153,9 +184,8 @@ class BatchRunner:
                               self.table.index_select(0, dec_slots)))
         h = t(tokens, self.positions(slots_d), slots_d, Spans(parts), cache=self.cache)
         toks = []
-        if sample:  # the uniforms are drawn after the forward: a pass that fails has drawn none
-            self.sampler.next(sample)
-            toks = self.sampler.choose(t.logits(h[rows_d]), slot_d[:len(sample)], 0, self.sampler.mode(sample))
+        if sample:
+            toks = self.sampler.choose(t.logits(h[rows_d]), slot_d[:len(sample)], at_d, self.sampler.mode(sample))
             toks = toks.tolist()  # the one host read of the step
         out: list[list[int] | None] = []
         done = iter(toks)
@@ -213,23 +243,20 @@ class BatchRunner:
         return slots.flatten().clamp(max=self.target.cfg.max_seq_len - 1)  # a padding row may pass the rotary table
 
     def first_token(self, req, logits: torch.Tensor) -> torch.Tensor:
-        """The token after the prompt [1], from the first uniforms of the request's stream."""
-        self.sampler.next([req.slot])
-        return self.sampler.choose(logits, req.slot, 0, self.sampler.mode([req.slot]))
+        """The token after the prompt [1] (at position req.n, the prompt's length)."""
+        pos = torch.full((1,), req.n, dtype=torch.long, device=self.device)
+        return self.sampler.choose(logits, req.slot, pos, self.sampler.mode([req.slot]))
 
     def prepare(self, reqs: list, rows: int) -> tuple[int, str]:
         """The host side of a step: each request's (last token, committed length, batch slot) into the persistent
-        input buffer, `rows` - len(reqs) padding rows after them, the sampling rows' uniforms (drawn outside the
-        graph, which reads them from the sampler's buffer). Returns the KV span S (a bucket under CUDA graphs)
-        and the sampling mode: with the row count, what a step's graph is keyed by."""
+        input buffer, `rows` - len(reqs) padding rows after them. Returns the KV span S (a bucket under CUDA
+        graphs) and the sampling mode: with the row count, what a step's graph is keyed by."""
         pad = [(0, 0, self.pad)] * (rows - len(reqs))
         self.inp[:, :rows].copy_(torch.tensor([(r.last, r.n, r.slot) for r in reqs] + pad).T)
-        slots = [r.slot for r in reqs]
-        self.sampler.next(slots)
         S = max(r.n for r in reqs) + self.reserve
         if self.graphs:
             S = bucket_for(S, self.target.cfg.max_seq_len)
-        return S, self.sampler.mode(slots)
+        return S, self.sampler.mode([r.slot for r in reqs])
 
     def launch(self, key: tuple, fn) -> None:
         """Run a step: eagerly, or through the CUDA graph of its key (greedy and sampling steps differ)."""
@@ -255,16 +282,22 @@ class BatchRunner:
         tok, n, slot = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
         span = Span(n, self.one.expand(Bb, 1, 1), S, self.table.index_select(0, slot))
         h = self.target(tok, n, n, span, cache=self.cache)
-        self.next[:Bb].copy_(self.sampler.choose(self.target.logits(h), slot, 0, mode))
+        self.next[:Bb].copy_(self.sampler.choose(self.target.logits(h), slot, n + 1, mode))
 
 
 class SpecRunner(BatchRunner):
-    """Batched EAGLE-2 rounds (eagle, frspec, microspec) with an EAGLE-1/2 or EAGLE-3 head (the same calls:
-    draft.hidden / features / head_in): every request drafts its own tree through its own draft vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. The
-    single-request vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec
-    window (ring, counts, active ids, packed head rows) per batch slot, reset when a request joins. A round is
-    one device step with no host read but the one of its results, captured in a CUDA graph per (rows bucket,
-    head slots bucket, span bucket, sampling mode); padding rows leave every window as it is. Prompts are
+    """Batched EAGLE-2 rounds (every speculative method: eagle, frspec, the MicroSpec windows and their
+    ablations) with an EAGLE-1/2 or EAGLE-3 head: every request drafts its own tree through its own draft
+    vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. make_vocab's
+    vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec window (ring, counts,
+    active ids, packed head rows) per batch slot, reset when a request joins. Each step runs the shape the
+    speculation policy picks (engine/policy.py): a tree, or plain rows (the root alone, the window and the draft
+    carried on). A step is one device step with no host read but the one of its results, captured in a CUDA graph
+    per (shape, rows bucket, head slots bucket, span bucket, sampling mode); padding rows leave every window as it
+    is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
+    `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)` (its input feature from
+    the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and `draft.head_in(h)` (the
+    vocabulary head's input) only. Prompts are
     prefilled in chunks, the draft beside the target, in their own pass before the round (padded to the longest
     chunk; one pass for both is the next step). A request's blocks are all taken when it joins: its window and draft
     state could not be recomputed token for token after a preemption, so none is preempted."""
@@ -275,13 +308,24 @@ class SpecRunner(BatchRunner):
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False,
-                 max_num_tokens: int | None = None):
-        super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1, reserve=round_reserve(tree),
-                         levels=tree.max_path, max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens)
+                 max_num_tokens: int | None = None, spec_policy: str = "auto", costs: StepCosts | None = None):
+        """spec_policy: auto (engine/policy.py: each step's tree from the step's cost and the requests' acceptance)
+        or fixed (always `tree`); costs: the policy's cost model (None: measured by timing padding rounds)."""
+        shapes = tree_shapes(tree, spec_policy)
+        super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1,
+                         reserve=max(round_reserve(t) for t in shapes if t),
+                         max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens)
         self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
+        self.shapes = shapes
+        self.policy = SpecPolicy(shapes, spec_policy, costs or StepCosts(self.measure))
+        self.planned: int | None = None  # the shape the scheduler planned this step's budget with
         dev = self.device
-        self.dcache = KVCache(draft.cfg, 1, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
+        # the draft's own KV pool, with the target's block ids (draft.cfg: its layers and KV shapes)
+        self.dcache = KVCache(draft.cfg, draft.cfg.num_layers, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
         self.vocab = batch_vocab(vocab, max_batch + 1)  # the padding slot too: padding rows read it
+        if hasattr(self.vocab, "reset"):  # every slot a valid (pinned ids) window: a padding row may read a free one
+            for s in range(max_batch + 1):
+                self.vocab.reset(s)
         self.h_last = torch.zeros(max_batch + 1, draft.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
         self.steps = torch.arange(tree.max_path, device=dev)
         self.topk_pre: dict[int, list[torch.Tensor]] = {}  # batch slot -> its prompt chunks' top-K_pre so far
@@ -309,7 +353,9 @@ class SpecRunner(BatchRunner):
         for b, row, req in ends:
             nxt[b, row] = req.last
             prompt = torch.tensor(req.prompt, device=self.device)
-            self.vocab.start(req.slot, prompt, torch.cat(self.topk_pre.pop(req.slot)))  # nothing of others
+            # ext-only's window starts from the target's top-K_ver after the prompt
+            first = None if self.vocab.use_prompt else t.topk(t.logits(h[b, row:row + 1]), self.k_ver)
+            self.vocab.start(req.slot, prompt, torch.cat(self.topk_pre.pop(req.slot)), first)  # nothing of others
             self.vocab.join()  # before the next window's gather: one in flight at a time
         B, T = ids.shape
         # the draft's input feature: the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
@@ -323,53 +369,113 @@ class SpecRunner(BatchRunner):
         """The prompt chunks' pass, then the round of the requests past their prompts."""
         return self.prefill(chunks) if chunks else [], self.decode(decodes) if decodes else []
 
+    def plan(self, reqs: list) -> int:
+        """The policy's shape for this step's decoding requests; returns the target rows each of them adds."""
+        # under --tp rank 0's choice (it rests on each rank's own timings): every rank runs the same shape
+        self.planned = parallel.agree(self.policy.choose(reqs, batch_bucket(len(reqs), self.max_batch)), self.device)
+        tree = self.shapes[self.planned]
+        return tree.total_tokens if tree else 1
+
     def decode(self, reqs: list) -> list[list[int]]:
-        """One draft / verify / update round for the batch."""
+        """One step for the batch in the planned shape: a draft / verify / update round, or plain decode rows
+        (the root alone: verified, the window and the draft's state carried on as after a round)."""
         B = len(reqs)
         Bb = batch_bucket(B, self.max_batch)
+        shape = parallel.agree(self.policy.choose(reqs, Bb), self.device) if self.planned is None else self.planned
+        self.planned = None
         # the batched draft head multiplies slots 0 .. top-1 in place (vocab/batched.py): top covers every slot
         top = batch_bucket(max(r.slot for r in reqs) + 1, self.max_batch)
+        t0 = time.perf_counter()
         S, mode = self.prepare(reqs, Bb)
-        self.launch((Bb, top, S, mode), lambda: self._round(Bb, top, S, mode))
+        self.launch((shape, Bb, top, S, mode), lambda: self._round(shape, Bb, top, S, mode))
+        res = self.out[:B].tolist()  # the one host read per round
+        self.policy.observe(reqs, shape, Bb, [row[0] + 1 for row in res], time.perf_counter() - t0)
+        size_of = self.shapes[shape].total_tokens if self.shapes[shape] else 1
         out = []
-        for r, (k, size, covered, *emitted) in zip(reqs, self.out[:B].tolist()):  # the one host read per round
+        for r, (k, size, covered, *emitted) in zip(reqs, res):
             s = r.stats
-            s.rounds += 1
-            s.round_tokens += k + 1
-            s.vocab_sum += size
-            s.vocab_max = max(s.vocab_max, size)
-            s.covered += covered
+            s.tree_sizes[size_of] = s.tree_sizes.get(size_of, 0) + 1
+            if size_of > 1:  # speculative rounds only: a plain step's one token is no acceptance
+                s.rounds += 1
+                s.round_tokens += k + 1
+                s.vocab_sum += size
+                s.vocab_max = max(s.vocab_max, size)
+                s.covered += covered
             r.n += k + 1
             r.last = emitted[k]
             out.append(emitted[:k + 1])
         return out
 
-    def _round(self, Bb: int, top: int, S: int, mode: str) -> None:
-        t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.tree, self.device
-        P, steps = cfg.max_path, self.steps
+    def measure(self, shape: int, Bb: int) -> float:
+        """Seconds of one step of `shape` over Bb padding rows (the policy's cost calibration): the same launch,
+        bucket and host read as a real step, on CUDA through its captured graph (captured here, so the first real
+        step of the bucket replays it). Padding rows write only the pool's block 0 and change no window."""
+        self.inp[:, :Bb].copy_(torch.tensor([0, 0, self.pad], device=self.device)[:, None].expand(3, Bb))
+        S = bucket_for(self.reserve, self.target.cfg.max_seq_len) if self.graphs else self.reserve
+        mode = self.sampler.mode([self.pad])
+        key = (shape, Bb, Bb, S, mode)
+        times = []
+        for i in range(5 if self.graphs else 3):  # CUDA: eager, capture, then 3 timed replays; CPU: 1 warm-up
+            t0 = time.perf_counter()
+            self.launch(key, lambda: self._round(shape, Bb, Bb, S, mode))
+            self.out[:1].tolist()
+            times.append(time.perf_counter() - t0)
+        return min(times[2 if self.graphs else 1:])
+
+    def calibrate(self) -> None:
+        """Every (shape, rows bucket) the policy may weigh, measured now (start-up on CUDA: graphs captured)."""
+        if self.policy.policy == "fixed":
+            return
+        Bb = 1
+        while True:
+            for shape in range(len(self.shapes)):
+                self.policy.costs(shape, Bb)
+            if Bb >= self.max_batch:
+                break
+            Bb = batch_bucket(Bb + 1, self.max_batch)
+
+    def _round(self, shape: int, Bb: int, top: int, S: int, mode: str) -> None:
+        t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.shapes[shape], self.device
         root, n, slots = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
         table = self.table.index_select(0, slots)
-        temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
-        temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
+        if cfg is None:  # plain rows: the root alone, a tree of one node
+            P = 1
+            zero = torch.zeros_like(root)[:, None]
+            tree = Tree(tokens=root[:, None], parent=zero, depth=zero, anc=self.one.expand(Bb, 1, 1))
+        else:
+            P = cfg.max_path
+            temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
+            temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
 
-        def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
-            return vocab.head(tempered(d.head_in(h), temperature), slots, top, k)
+            def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
+                return vocab.head(tempered(d.head_in(h), temperature), slots, top, k)
 
-        tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
+            tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
+        steps = self.steps[:P]
         hid, logits = verify(t, self.cache, tree, n, table, S)
         N, V = tree.tokens.shape[1], logits.shape[-1]
-        # greedy rows: the argmax of every node; sampling rows: one draw per node with their tree level's uniform
-        choice = self.sampler.choose(logits.view(Bb * N, V), slots.repeat_interleave(N), tree.depth.flatten(), mode)
-        path, k, emitted = accept(tree, choice.view(Bb, N), P)
-        valid = steps[None, :] <= k[:, None]
-        size = vocab.size(slots)
-        covered = (vocab.contains(slots, emitted) & valid).sum(1)
-        ver = logits.gather(1, path[:, :, None].expand(Bb, P, V)).topk(self.k_ver, -1).indices
-        ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
-        self.cache.move(physical(table, n[:, None] + path).flatten(), physical(table, n[:, None] + steps).flatten())
+        # greedy rows: the argmax of every node; sampling rows: one draw per node with the uniform of its position
+        choice = self.sampler.choose(logits.view(Bb * N, V), slots.repeat_interleave(N),
+                                     (n[:, None] + 1 + tree.depth).flatten(), mode)
         real = (slots != self.pad)[:, None]  # a padding row adds nothing to the padding slot's window
-        # the gathers run on the copy stream, behind the draft forward
-        vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), torch.where(real, ver, -1))
+        if cfg is None:  # plain: the root's token; its verified ids wait for the request's next round
+            path = k = torch.zeros_like(root)
+            path, emitted = path[:, None], choice.view(Bb, 1)
+            size = covered = k
+            ver = logits[:, 0].topk(self.k_ver, -1).indices
+            vocab.defer(slots, torch.where(real, ver, -1))
+        else:
+            path, k, emitted = accept(tree, choice.view(Bb, N), P)
+            valid = steps[None, :] <= k[:, None]
+            size = vocab.size(slots)
+            covered = (vocab.contains(slots, emitted) & valid).sum(1)
+            ver = logits.gather(1, path[:, :, None].expand(Bb, P, V)).topk(self.k_ver, -1).indices
+            ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
+            # the accepted path's KV to the committed slots
+            self.cache.move(physical(table, n[:, None] + path).flatten(),
+                            physical(table, n[:, None] + steps).flatten())
+            # the gathers run on the copy stream, behind the draft forward
+            vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), torch.where(real, ver, -1))
         pos = (n[:, None] + steps).flatten()
         feat = d.features(hid)  # [Bb, N, d] the target's hidden (EAGLE-2) or [Bb, N, 3 d] its layers (EAGLE-3)
         hid_path = feat.gather(1, path[:, :, None].expand(Bb, P, feat.shape[-1])).flatten(0, 1)
@@ -377,4 +483,4 @@ class SpecRunner(BatchRunner):
                      cache=self.dcache).view(Bb, P, -1)
         self.h_last[slots] = h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
         vocab.join()
-        self.out[:Bb].copy_(torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1))
+        self.out[:Bb, :3 + P].copy_(torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1))

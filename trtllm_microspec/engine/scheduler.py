@@ -57,7 +57,7 @@ class Request:
     emits: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of each step that emitted
     resumed: int = 0  # after a preemption: the emitted tokens prefilled again after the prompt
     preemptions: int = 0
-    rng: object = None  # a preempted sampling request's generator state, until it joins again
+    accept_ratio: float | None = None  # the speculation policy's running acceptance of this request (policy.py)
 
     @property
     def seq_len(self) -> int:
@@ -84,12 +84,13 @@ class Request:
 
 @dataclass
 class StepRecord:
-    decodes: int  # requests that decoded (each adds runner.decode_rows rows)
+    decodes: int  # requests that decoded (each adds `tree` rows)
     chunks: list[int]  # prompt tokens prefilled, per request
     tokens: int  # the step's target rows: decode rows + chunk tokens, at most the budget
     preempted: int  # requests preempted while the step was scheduled
     running: int  # requests in the batch after the boundary
     waiting: int
+    tree: int = 0  # target rows per decoding request: the speculation policy's tree size, 1 a plain step
     plan_s: float = 0.0  # host: the boundary and the schedule
     step_s: float = 0.0  # host: the whole step, the pass and the emission included
     events: tuple | None = None  # CUDA events around the pass (timing on)
@@ -116,6 +117,7 @@ class Scheduler:
         self.history: deque[StepRecord] = deque(maxlen=1 << 16)
         self.timing = False  # CUDA events around every pass (profile's step timeline)
         self._updates: list[tuple[int, int, int]] = []  # blocks handed out while scheduling, for the table
+        self.decode_rows = 1  # rows per decoding request of the step being scheduled (runner.plan)
 
     @property
     def max_num_tokens(self) -> int:
@@ -179,7 +181,7 @@ class Scheduler:
 
     def _schedule(self) -> tuple[list[tuple[Request, int]], list[Request], int]:
         """This step's prompt chunks (request, tokens) and decoding requests, and how many were preempted."""
-        budget, rows, reserve = self.max_num_tokens, self.runner.decode_rows, self.runner.reserve
+        budget, reserve = self.max_num_tokens, self.runner.reserve
         chunks: list[tuple[Request, int]] = []
         decodes: list[Request] = []
         preempted = 0
@@ -189,7 +191,6 @@ class Scheduler:
                 continue
             if req.n + reserve <= KV_BLOCK * len(owned[req.rid]):  # most steps: its blocks hold the step
                 decodes.append(req)
-                budget -= rows
                 continue
             while not self._grow(req, req.n + reserve):
                 victim = self.running[-1]  # joined last, not scheduled yet (or req itself)
@@ -199,7 +200,9 @@ class Scheduler:
                     break
             else:
                 decodes.append(req)
-                budget -= rows
+        if decodes:  # the speculation policy's tree for this step: the rows each decoding request adds
+            self.decode_rows = self.runner.plan(decodes)
+            budget -= len(decodes) * self.decode_rows
         if self.runner.prefill_cap is not None:
             budget = min(budget, self.runner.prefill_cap)
         for req in list(self.running):  # 2. the running prompts, in order, while the budget lasts
@@ -245,8 +248,9 @@ class Scheduler:
         self._boundary()
         with self.lock:
             chunks, decodes, preempted = self._schedule()
-        rec = StepRecord(len(decodes), [c for _, c in chunks], len(decodes) * self.runner.decode_rows +
-                         sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting))
+        rec = StepRecord(len(decodes), [c for _, c in chunks], len(decodes) * self.decode_rows +
+                         sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting),
+                         self.decode_rows if decodes else 0)
         rec.plan_s = time.perf_counter() - t0
         emitted: list[tuple[Request, list[int]]] = []
         if chunks or decodes:
@@ -289,7 +293,7 @@ class Scheduler:
         self._finish(req, "error")
 
     def _emit(self, req: Request, toks: list[int]) -> list[int]:
-        """Cut at EOS or the budget, as the single-request executor does."""
+        """Cut at EOS or the budget."""
         room = req.max_new_tokens - len(req.out)
         if len(toks) == 1:  # AR: one token (room >= 1: a request with no room has finished)
             stop = 0 if toks[0] in self.stop_ids else None
@@ -303,7 +307,7 @@ class Scheduler:
         if stop is not None or len(req.out) >= req.max_new_tokens:
             self._finish(req, "eos" if stop is not None else "max_tokens")
         elif req.n + self.runner.reserve >= self.runner.target.cfg.max_seq_len:  # no room for another step: the
-            self._finish(req, "length")  # single-request executor's rule, so the same tokens
+            self._finish(req, "length")
         return toks
 
     def run(self, requests: list[Request]) -> None:

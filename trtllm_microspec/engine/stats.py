@@ -1,7 +1,7 @@
 """Per-request statistics of a generation."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -15,9 +15,11 @@ class Stats:
     vocab_sum: int = 0  # active draft vocabulary size, summed over rounds
     vocab_max: int = 0
     covered: int = 0  # emitted tokens that were in their round's draft vocabulary
+    # batched engine: steps per tree size the speculation policy chose (1: a plain decode step, not a round)
+    tree_sizes: dict = field(default_factory=dict)
     prefill_s: float = 0.0  # target prefill (+ top-K_pre, window start and draft prefill)
-    # the single-request path times a round's phases; the batched engine runs a round as one launch (one CUDA
-    # graph), so its requests have decode_s only (the steps they took part in) and None for the three phases
+    # the engine runs a round as one launch (one CUDA graph): a request has decode_s (the steps it took part in)
+    # and None for the three phases (kept for readers of the statistics; the profile splits the phases)
     draft_s: float | None = 0.0  # drafting the tree (depth + 1 draft forwards and head calls)
     verify_s: float | None = 0.0  # target pass over the tree, acceptance, KV compaction (AR: the decode steps)
     update_s: float | None = 0.0  # window update + gather (copy stream) overlapped with the draft's catch-up forward

@@ -2,12 +2,10 @@
 
 Runs inside Triton's Python stub (`triton_repo/microspec/1/model.py` re-exports `TritonPythonModel`). The model is
 decoupled: `execute` only validates requests (bad ones get an error response at once) and hands them to one engine
-loop thread, the only thread that touches the model. Requests, greedy and sampled, join the running batch of the
-batched engine (in-flight batching over the paged KV pool, `LLM.scheduler()`); every request of a method the batched
-engine does not run or under --tp goes one at a time through the single-request executor, one step of it between
-two steps of the batch, so neither waits for the other to finish. Streaming requests get one response per
-text piece, then a final one with the statistics; non-streaming ones get a single response with the whole text and
-the statistics.
+loop thread, the only thread that touches the model. Every request, greedy or sampled, of every method, joins the
+running batch of the batched engine (in-flight batching over the paged KV pool, `LLM.scheduler()`; under --tp the
+followers run the same steps, serving/tp.py). Streaming requests get one response per text piece, then a final
+one with the statistics; non-streaming ones get a single response with the whole text and the statistics.
 """
 from __future__ import annotations
 
@@ -15,8 +13,6 @@ import json
 import os
 import queue
 import threading
-from collections import deque
-from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,8 +22,7 @@ import triton_python_backend_utils as pb_utils
 from .. import parallel
 from ..engine.loader import one_line
 from ..engine.scheduler import Request
-from ..engine.stats import Stats
-from ..llm import BATCHED, LLM
+from ..llm import LLM
 from ..models.registry import UserError
 from ..spec.sampling import SamplingParams
 from . import tp as tp_serving
@@ -40,11 +35,13 @@ NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "static_k": int, "depth": i
            "total_tokens": int, "max_seq_len": int, "max_batch": int, "max_num_tokens": int, "kv_memory": float,
            "tp": int, "tp_timeout": float, "tp_port": int}
 # the batch's state on Triton's metrics port (gauges per model instance)
-METRICS = {"microspec_running_requests": "requests decoding now (the batch, and the single-request path's one in turn)",
+METRICS = {"microspec_running_requests": "requests decoding now (the batch)",
            "microspec_waiting_requests": "requests accepted and waiting for KV blocks or their turn (those in "
                                          "Triton's queue: nv_inference_pending_request_count)",
            "microspec_kv_blocks_used": "KV-cache blocks held by the batch's requests",
-           "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)"}
+           "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)",
+           "microspec_tree_tokens": "draft-tree tokens per request of the batch's last decoding step, the speculation "
+                                    "policy's choice (1: plain decoding; 0: none yet)"}
 
 
 @dataclass(eq=False)
@@ -57,7 +54,6 @@ class Job:
     stop_words: list[str]
     sampling: SamplingParams
     req: Request | None = None  # in the batched engine
-    steps: Generator | None = None  # on the single-request path: the executor's steps
     ids: list[int] = field(default_factory=list)  # generated so far
     text: str = ""  # the output so far (cut at a stop word or end_id); streamed: what was sent
 
@@ -150,7 +146,7 @@ class TritonPythonModel:
         tp_port = knobs.pop("tp_port", None)
         kwargs = dict(engine=p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
                       device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false",
-                      **knobs)
+                      spec_policy=p.get("spec_policy") or "auto", **knobs)
         self.tp = knobs.get("tp", 1)
         if self.tp > 1:  # rank 0 of `microspec serve --tp`: its followers run every step with it (serving/tp.py)
             if tp_port is None:
@@ -160,23 +156,20 @@ class TritonPythonModel:
             self.llm = tp_serving.lead(LLM, kwargs)
         else:
             self.llm = LLM(**kwargs)
-        # requests join the batched engine where it runs the method (one device; under --tp the followers replay the
-        # single-request executor only)
-        self.sched = self.llm.scheduler() if self.llm.method in BATCHED and self.tp == 1 else None
+        self.sched = self.llm.scheduler()  # every request joins the batched engine (--tp: its steps sent, tp.py)
         # one short generation before the model reports ready, through the path requests take: kernel
         # loading and the first CUDA-graph captures are paid here, not by the first client (on the H200 its first
         # token took 0.79 s without this); a sampled request's graphs are captured when it first comes
-        self.llm.generate(["Hello"] if self.sched else "Hello", 16)
-        self.capacity = self.llm.max_batch if self.sched else 1  # requests the engine runs at once
+        self.llm.generate(["Hello"], 16)
+        self.capacity = self.llm.max_batch  # requests the engine runs at once
         # a prompt of at most max_prompt tokens is at most this many bytes: a longer text_input is refused before it
         # is decoded or tokenised (a 5 MB body otherwise held execute, and every request behind it, for seconds)
-        self.max_prompt_bytes = self.llm.executor.max_prompt * self.llm.tokenizer.max_token_bytes()
+        self.max_prompt_bytes = self.llm.max_prompt * self.llm.tokenizer.max_token_bytes()
         self.vocab_size = self.llm.target.cfg.vocab_size
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # execute -> the engine loop
         self.load = 0  # requests accepted and not ended yet
         self.cond = threading.Condition()  # guards `load`; notified when a request ends
         self.batch: dict[Request, Job] = {}  # the batched engine's requests (running or waiting for blocks)
-        self.singles: deque[Job] = deque()  # the single-request path's, in order: the first one runs
         # Triton calls finalize only once no request is in flight, so `microspec serve` announces a shutdown with
         # this file: running and queued requests then end at once with an error instead of holding the server up
         self.stop_file = os.environ.get(STOP_FILE_ENV)
@@ -225,7 +218,7 @@ class TritonPythonModel:
     def _parse(self, request, sender) -> Job:
         text, max_tokens = _input(request, "text_input", True)[0], int(_input(request, "max_tokens", True)[0])
         if len(text) > self.max_prompt_bytes:
-            raise UserError(f"text_input is {len(text)} bytes: this engine holds at most {self.llm.executor.max_prompt}"
+            raise UserError(f"text_input is {len(text)} bytes: this engine holds at most {self.llm.max_prompt}"
                             f" prompt tokens, at most {self.max_prompt_bytes} bytes")
         prompt = _decode(text, "text_input")
         if not prompt:
@@ -237,7 +230,7 @@ class TritonPythonModel:
         if end_id is not None and not 0 <= int(end_id[0]) < self.vocab_size:
             raise UserError(f"end_id must be a token id between 0 and {self.vocab_size - 1}, got {int(end_id[0])}")
         ids = self.llm.prompt_ids(prompt, bool(chat[0]) if chat is not None else False)
-        self.llm.executor.check(ids, max_tokens)  # UserError for a prompt too long for the engine
+        self.llm.check(ids, max_tokens)  # UserError for a prompt too long for the engine
         given = {k: _input(request, name) for k, name in SAMPLING_INPUTS.items()}
         sampling = SamplingParams(**{k: v[0].item() for k, v in given.items() if v is not None})  # UserError if bad
         return Job(sender=sender, prompt_ids=ids, max_tokens=max_tokens,
@@ -248,42 +241,35 @@ class TritonPythonModel:
 
     def _loop(self) -> None:
         """The engine loop: the only thread that runs the model. Each turn takes the new requests, ends the
-        cancelled ones, runs one step of the batch and one step of the single-request path's current request."""
+        cancelled ones and runs one step of the batch."""
         if self.llm.device.index is not None:  # the current GPU is per thread (serve --gpus 0,1: the one on GPU 1)
             torch.cuda.set_device(self.llm.device)
         while self._take():
             stopping = self._stopping()
-            for job in [*self.batch.values(), *self.singles]:
+            for job in list(self.batch.values()):
                 if stopping or job.sender.is_cancelled():  # shut down, or the client cancelled or went away
                     self._end(job, _shutdown() if stopping else _error("the request was cancelled", "CANCELLED"))
-            if self.sched and not self.sched.idle:  # also after a cancel: its blocks go back at this boundary
+            if not self.sched.idle:  # also after a cancel: its blocks go back at this boundary
                 self._step_batch()
-            if self.singles:
-                self._step_single(self.singles[0])
             self._report()
-        for job in [*self.batch.values(), *self.singles]:
+        for job in list(self.batch.values()):
             self._end(job, _shutdown())
 
     def _take(self) -> bool:
         """Hands the requests `execute` queued to the engine, waiting for one while the engine is idle. False once
         finalize says stop."""
-        idle = not self.singles and (self.sched is None or self.sched.idle)
-        jobs = [self.inbox.get()] if idle else []
+        jobs = [self.inbox.get()] if self.sched.idle else []
         while not self.inbox.empty():
             jobs.append(self.inbox.get())
         for job in jobs:
             if job is None:
                 return False
-            if self.sched:
-                try:
-                    job.req = self.sched.add(job.prompt_ids, job.max_tokens, job.sampling)
-                except UserError as e:  # it could never fit: over the sequence limit or the whole pool
-                    self._end(job, _error(str(e)))
-                    continue
-                self.batch[job.req] = job
-            else:
-                job.steps = self.llm.executor.run(job.prompt_ids, job.max_tokens, job.sampling)
-                self.singles.append(job)
+            try:
+                job.req = self.sched.add(job.prompt_ids, job.max_tokens, job.sampling)
+            except UserError as e:  # it could never fit: over the sequence limit or the whole pool, or sampling
+                self._end(job, _error(str(e)))  # under --tp
+                continue
+            self.batch[job.req] = job
         return True
 
     def _step_batch(self) -> None:
@@ -299,22 +285,6 @@ class TritonPythonModel:
                 self._end(job, _response("" if job.stream else job.text, req.stats.summary()))
         for job in [j for j in self.batch.values() if j.req.error]:  # failed ones (the scheduler says so)
             self._end(job, _error(f"generation failed: {one_line(job.req.error)}", "INTERNAL"))
-
-    def _step_single(self, job: Job) -> None:
-        try:
-            try:
-                toks, stats = job.steps.send(None), None
-            except StopIteration as stop:
-                toks, stats = [], stop.value
-            if not self._feed(job, toks, final=stats is not None):
-                return
-            response = _response("" if job.stream else job.text,
-                                 (stats if stats is not None else _end_early(job.steps)).summary())
-        except UserError as e:  # refused at its first step (e.g. sampling under --tp)
-            response = _error(str(e))
-        except Exception as e:  # a failure in one request must not stop the loop
-            response = _error(f"generation failed: {type(e).__name__}: {one_line(e)}", "INTERNAL")
-        self._end(job, response)
 
     def _feed(self, job: Job, toks: list[int], final: bool) -> bool:
         """A request's new tokens (final: its generation is over): stream the text they complete, and end the output
@@ -338,32 +308,17 @@ class TritonPythonModel:
         return over
 
     def _end(self, job: Job, response) -> None:
-        """A request's final response. The engine lets it go: a batched request's blocks go back at the next
-        boundary, the single-request executor ends its run."""
+        """A request's final response. The engine lets it go: its blocks go back at the next boundary."""
         if job.req is not None:
             self.sched.cancel(job.req)  # nothing left to do for one that finished
             del self.batch[job.req]
-        elif job.steps is not None:
-            job.steps.close()
-            self.singles.remove(job)
         with self.cond:  # first: execute then takes Triton's next request before this client can send another
             self.load -= 1
             self.cond.notify_all()
         _send(job.sender, response, final=True)
 
     def _report(self) -> None:
-        s, n = self.sched, len(self.singles)
-        running, waiting = min(n, 1), max(n - 1, 0)
-        if s is None:
-            self.gauges.set(running, waiting, 0, 0)
-        else:
-            self.gauges.set(running + len(s.running), waiting + len(s.waiting), s.blocks.used, s.blocks.num_blocks - 1)
+        s = self.sched
+        tree = next((r.tree for r in reversed(s.history) if r.tree), 0)  # the last decoding step's
+        self.gauges.set(len(s.running), len(s.waiting), s.blocks.used, s.blocks.num_blocks - 1, tree)
 
-
-def _end_early(gen) -> Stats:
-    """Ends a generation at a stop word or end_id; the executor still returns the request's statistics."""
-    while True:
-        try:
-            gen.send(True)
-        except StopIteration as stop:
-            return stop.value

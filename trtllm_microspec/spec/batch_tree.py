@@ -1,8 +1,8 @@
-"""spec/tree.py's round for a batch of B requests: each request drafts its own EAGLE-2 tree (one batched draft
-forward per depth step), one target pass verifies every tree (B x total_tokens rows, each tree's mask over its
-own KV), and acceptance is per request. Same algorithm and tie-breaks as tree.py, with a leading batch
-dimension; the draft head goes through each request's own vocabulary (`heads`), so MicroSpec windows stay
-per request. Device tensor ops only.
+"""The EAGLE-2 round (layout: spec/tree.py) for a batch of B requests: each request drafts its own tree (one
+batched draft forward per depth step), one target pass verifies every tree (B x total_tokens rows, each tree's
+mask over its own KV), and acceptance is per request. The draft head goes through each request's own vocabulary
+(`heads`), so MicroSpec windows stay per request. Device tensor ops only. The draft is called through
+`draft.hidden(tokens, features, positions, slots, span, cache=)` alone (any head with that call fits).
 """
 from __future__ import annotations
 
@@ -56,7 +56,9 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
 
 
 def _select(tok, score, parent, root, cfg: TreeConfig) -> Tree:
-    """tree.py's _select per request: the best total_tokens-1 pool nodes, in pool order."""
+    """Per request, the best total_tokens-1 pool nodes by path score, kept in pool order (so parents precede
+    children); a child never scores above its parent, and the tiny depth penalty breaks exact ties (p = 1.0 in
+    fp32) so the chosen set always holds each chosen node's parent."""
     dev, N = tok.device, cfg.total_tokens
     B, P = tok.shape
     level = torch.cat([torch.zeros(cfg.top_k, device=dev)] +
@@ -85,7 +87,9 @@ def verify(target, cache, tree: Tree, n, table, S: int):
 
 
 def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
-    """tree.py's accept per request: path [B, max_path], accepted draft tokens k [B], emitted [B, max_path]."""
+    """Acceptance per request (greedy, or sampled with `argmax` the target's draws: spec/sampling.py): path
+    [B, max_path] (tree indices by depth, padded with the leaf), accepted draft tokens k [B], emitted [B, max_path]
+    (valid up to index k)."""
     B, N = tree.tokens.shape
     ok = (tree.tokens == argmax.gather(1, tree.parent)) | (tree.depth == 0)
     path_ok = ~(tree.anc & ~ok[:, None, :]).any(2)

@@ -18,13 +18,20 @@ which children exist). The ratio rule min(1, p(x) / q(x)) with q = the draft's s
 *sampled* from q (EAGLE-1's sampled tree); on EAGLE-2's top-k tree it is not (a child with q = 0.5 and p = 0.3 would
 be emitted with probability 0.6) -- tests/test_sampling.py shows it failing.
 
-Randomness: one uniform per tree level, shared by the nodes of a level. Only one node per level is on the walked path
-and which one depends on the levels above only, so every step of the walk uses a fresh uniform; siblings with equal
-tokens (padding slots of a small window) draw the same y, so which of them the walk enters does not matter.
+Randomness: the uniform of a token is a hash of the request's seed and the token's position in the sequence
+(`uniforms`), shared by the nodes of a tree level (they all stand for the same position). Only one node per level is
+on the walked path and which one depends on the levels above only, so every step of the walk uses a fresh uniform;
+siblings with equal tokens (padding slots of a small window) draw the same y, so which of them the walk enters does
+not matter. A draw that the walk leaves (a node off the path) decides nothing, so its position's uniform is still
+fresh when a later step draws there. Each emitted token is therefore the inverse-CDF draw of its position's uniform
+from the target's distribution given the text before it -- what AR sampling emits with the same seed: with one seed,
+every method, tree size and batch gives the same tokens, and no uniform is drawn on the host (no launch per
+request per step).
 """
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -93,22 +100,44 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (c < (1 - u)[..., None] * c[..., -1:]).sum(-1)
 
 
-class Sampler:
-    """The sampling state of `rows` requests (the batch slots of the batched engine; the single-request executor
-    has one row), in persistent device tensors that captured CUDA graphs read: each row's knobs, whether it samples,
-    and `u`, one uniform per tree level for the row's next step, drawn from the row's own generator before each step
-    outside the graphs (a kernel launch per sampling row, no host sync). Greedy rows draw nothing and take the
-    target's argmax, as before, also beside sampling rows in one batch."""
+M32 = 0xFFFFFFFF
 
-    def __init__(self, argmax, device: torch.device, levels: int, rows: int = 1):
+
+def _mul32(h, c: int):
+    """(h * c) mod 2^32 for h in [0, 2^32) (an int64 tensor or an int), without an int64 overflow."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def fmix32(h):
+    """MurmurHash3's finaliser: a bijection of [0, 2^32) whose every output bit depends on every input bit."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniforms(key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The uniform in [0, 1) of each token position pos [T] (int64) of the requests whose keys are key [T, 2]: a
+    counter-based stream (a hash of key and position, 24 bits as torch.rand's float32), capturable in a graph."""
+    h = fmix32((pos & M32) ^ key[..., 0])
+    h = fmix32(h ^ key[..., 1])
+    return (h >> 8).float() * 2.0 ** -24
+
+
+class Sampler:
+    """The sampling state of `rows` requests (the batch slots of the batched engine), in persistent device tensors that captured CUDA graphs read: each row's knobs, whether it samples,
+    and its key, from its seed: the uniform of a token is `uniforms(key, position)`, computed inside the step. Greedy
+    rows draw nothing and take the target's argmax, as before, also beside sampling rows in one batch."""
+
+    def __init__(self, argmax, device: torch.device, rows: int = 1):
         self.argmax = argmax  # the target's (vocabulary-split under tensor parallelism)
         # [rows, 1]: a row's knobs broadcast over its logits' vocabulary dimension
         self.sampled = torch.zeros(rows, 1, dtype=torch.bool, device=device)
         self.temperature = torch.ones(rows, 1, device=device)
         self.top_k = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.top_p = torch.ones(rows, 1, device=device)
-        self.u = torch.zeros(rows, levels, device=device)
-        self.generators = [torch.Generator(device) for _ in range(rows)]
+        self.key = torch.zeros(rows, 2, dtype=torch.long, device=device)
         self.params = [GREEDY] * rows
 
     def start(self, row: int, params: SamplingParams, vocab_size: int) -> None:
@@ -122,10 +151,10 @@ class Sampler:
         self.top_p[row] = params.top_p
         if params.greedy:
             return
-        if params.seed is None:
-            self.generators[row].seed()
-        else:
-            self.generators[row].manual_seed(params.seed)
+        seed = secrets.randbits(64) if params.seed is None else params.seed
+        # both halves of the 64-bit seed in each word of the key: seeds differing anywhere give other streams
+        self.key[row] = torch.tensor([fmix32((seed & M32) ^ fmix32(seed >> 32)),
+                                      fmix32(((seed >> 32) ^ 0x9E3779B9) ^ fmix32(seed & M32))])
 
     def mode(self, rows: list[int]) -> str:
         """Which code a step of these rows runs, so each gets its own CUDA graphs: the argmax only (all greedy), or
@@ -135,22 +164,19 @@ class Sampler:
         return ("greedy" if all(p.greedy for p in params) else "top-k/p" if any(p.filtered for p in params)
                 else "sample")
 
-    def next(self, rows: list[int]) -> None:
-        """The uniforms of these rows' next step, each from its own generator."""
-        for r in rows:
-            if not self.params[r].greedy:
-                self.u[r].uniform_(generator=self.generators[r])
-
     def draft_temperature(self, rows, mode: str) -> torch.Tensor | None:
-        """The temperature each row's draft scores its tree with (spec/tree.py draft_tree; greedy rows: 1)."""
+        """The temperature each row's draft scores its tree with (batch_tree.draft_trees; greedy rows: 1)."""
         return None if mode == "greedy" else self.temperature[rows]
 
-    def choose(self, logits: torch.Tensor, rows, level, mode: str) -> torch.Tensor:
+    def uniform(self, rows, pos: torch.Tensor) -> torch.Tensor:
+        return uniforms(self.key[rows], pos)
+
+    def choose(self, logits: torch.Tensor, rows, pos: torch.Tensor, mode: str) -> torch.Tensor:
         """The target's token for each row of logits [T, V]: its argmax (greedy rows), or a draw from its processed
-        distribution with the uniform of the row's request and tree level. rows: the sampler row of each logits row
-        [T], or one int for all; level: [T] or an int."""
+        distribution with the uniform of the row's request and the position of the token it chooses. rows: the
+        sampler row of each logits row [T], or one int for all; pos: [T] (int64, on the logits' device)."""
         argmax = self.argmax(logits)
         if mode == "greedy":
             return argmax
         p = target_probs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], mode == "top-k/p")
-        return torch.where(self.sampled[rows, 0], draw(p, self.u[rows, level]), argmax)
+        return torch.where(self.sampled[rows, 0], draw(p, self.uniform(rows, pos)), argmax)

@@ -2,11 +2,11 @@
 membership and size are each one set of tensor ops over the whole batch, with no Python loop over requests.
 
   SharedVocab  full (EAGLE-2) or static (FR-Spec) rows, the same for every request: one GEMM over all B x T rows.
-  BatchWindow  the MicroSpec window of every batch slot: WindowVocab's state (layout in plugins/ops.py) with a
+  BatchWindow  the MicroSpec window of every batch slot: a window's state (layout in plugins/ops.py) with a
                leading batch-slot dimension. Its update is ops.window_update / ops.unique_first with that dimension:
                each request indexes its own slot's rows through flat views (slot * row length + index), so no
-               request ever reads or writes another's window. WindowVocab stays the single-request reference;
-               tests/test_batch_window.py checks that the two agree exactly. The fill (strategies.Fill) of each
+               request ever reads or writes another's window. tests/test_batch_window.py checks it against
+               one plain window per request (ops.window_update, whose CPU code is the op's reference). The fill (strategies.Fill) of each
                slot is kept beside it, [slots, F], and its rows are one [F, d] buffer that every slot shares.
 
 `batch` below is always a LongTensor [B] of the running requests' batch slots (distinct), in batch order.
@@ -17,29 +17,34 @@ import torch
 
 from plugins import ops
 
-from .strategies import Fill, WindowVocab
+from .strategies import Fill, Window
 
 
 def batch_vocab(vocab, slots: int):
-    """The single-request vocabulary -> the batched engine's: shared rows, or a window per batch slot."""
-    if isinstance(vocab, WindowVocab):
-        if not (vocab.use_prompt and vocab.use_rounds and vocab.use_packed):
-            raise ValueError("the batched engine runs the microspec windows only, not their ablations")
-        return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned.tolist(), slots,
-                           None if vocab.fill is None else vocab.fill.ids, vocab.row_of, vocab.V)
+    """make_vocab's vocabulary -> the batched engine's: shared rows, or a window per batch slot."""
+    if isinstance(vocab, Window):
+        fill = vocab.fill_ids
+        return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned, slots,
+                           None if fill is None else fill.to(vocab.head_w.device), vocab.use_prompt,
+                           vocab.use_rounds, vocab.use_packed, vocab.row_of, vocab.V)
     return SharedVocab(vocab)
 
 
 class SharedVocab:
     """A FullVocab or StaticVocab for the whole batch: no per-request state."""
+    use_prompt = True  # (a window's flag: whether it starts from the prompt, else from the first token's top-K)
 
     def __init__(self, vocab):
         self.vocab = vocab
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor) -> None:
+    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor,
+              first_topk: torch.Tensor | None = None) -> None:
         pass
 
     def update(self, batch: torch.Tensor, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
+        pass
+
+    def defer(self, batch: torch.Tensor, ver_ids: torch.Tensor) -> None:
         pass
 
     def join(self) -> None:
@@ -55,6 +60,9 @@ class SharedVocab:
 
     def contains(self, batch: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.vocab.contains(ids)
+
+
+PENDING = 64  # BatchWindow: verified ids of plain steps kept per request until its next round
 
 
 def unique_first(ids: torch.Tensor, first: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
@@ -74,14 +82,18 @@ class BatchWindow:
     """The MicroSpec window (plugins/ops.py's state) of each of `slots` batch slots, reset when a request joins."""
 
     def __init__(self, head: torch.Tensor, w_max: int, pinned: list[int], slots: int,
-                 fill_ids: torch.Tensor | None = None, row_of: torch.Tensor | None = None,
-                 vocab_size: int | None = None):
-        """fill_ids: the fill's ranked ids (strategies.fill_ranking), or None for the paper's window. row_of /
-        vocab_size: an EAGLE-3 draft vocabulary, as WindowVocab's (pinned and fill ids already within it)."""
+                 fill_ids: torch.Tensor | None = None, use_prompt: bool = True, use_rounds: bool = True,
+                 use_packed: bool = True, row_of: torch.Tensor | None = None, vocab_size: int | None = None):
+        """fill_ids: the fill's ranked ids (strategies.fill_ranking), or None for the paper's window. The
+        ablations (strategies.Window.FLAGS): use_prompt False starts a window from the first token's top-K_ver instead
+        of the prompt stream (ext-only), use_rounds False never updates it (ctx-only), use_packed False scores
+        the window by gathering its head rows at every call instead of keeping them packed (naive). row_of /
+        vocab_size: an EAGLE-3 draft vocabulary, as strategies.Window's (pinned and fill ids already within it)."""
         V, d = head.shape
         dev = head.device
+        self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, use_packed
         self.row_of = row_of
-        if row_of is not None:
+        if row_of is not None:  # the window's ids are target ids; head rows are reached through row_of
             V = vocab_size
         self.head_w, self.pinned = head, torch.tensor(sorted(set(pinned)), dtype=torch.long, device=dev)
         self.W, self.V, self.R = w_max, V, w_max + len(self.pinned)
@@ -96,12 +108,16 @@ class BatchWindow:
         # packed[s, R] is slot s's padding sink; gathers aim all padding at the last slot's, which the CUDA
         # gather_rows kernel skips
         self.packed = torch.zeros(slots, R + 1, d, dtype=head.dtype, device=dev)
-        self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and use_packed else None
         self.in_flight: tuple | None = None
         self.fill = None if fill_ids is None else Fill(fill_ids, V, dev)
         F = 0 if self.fill is None else self.fill.F
         self.fill_rows = head[self.rows(self.fill.ids)] if F else None  # [F, d], gathered once, shared by every slot
         self.fill_id_of = torch.full((slots, F), -1, dtype=torch.long, device=dev)  # kept fill ids, -1: not kept
+        # the verified ids of a request's plain steps (the speculation policy's), newest last, -1 = empty: they join
+        # its stream at its next round's update (a window update costs ~160 small kernels, the plain step they would
+        # be added to little more than the target's); the oldest drop out past PENDING
+        self.pending = torch.full((slots, PENDING), -1, dtype=torch.long, device=dev)
 
     def reset(self, slot: int) -> None:
         P = len(self.pinned)
@@ -111,30 +127,51 @@ class BatchWindow:
         self.slot_of[slot].fill_(-1)
         self.id_of[slot].fill_(-1)
         self.fill_id_of[slot].fill_(-1)
+        self.pending[slot].fill_(-1)
         self.count[slot, self.pinned] = 1
         self.slot_of[slot, self.pinned] = torch.arange(P, device=self.pinned.device)
         self.id_of[slot, :P] = self.pinned
         self.packed[slot, :P] = self.head_w[self.rows(self.pinned)]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """WindowVocab.rows: the head rows of target ids."""
+        """The head rows of target ids (of the draft vocabulary; padding's 0 reads any row)."""
         return ids if self.row_of is None else self.row_of[ids].clamp(min=0)
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor) -> None:
-        """A request joins batch slot `slot`: its window starts afresh from its prompt and top-K_pre ids."""
+    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor,
+              first_topk: torch.Tensor | None = None) -> None:
+        """A request joins batch slot `slot`: its window starts afresh from its prompt and top-K_pre ids (ext-only:
+        from first_topk, the target's top-K_ver after the prompt)."""
         self.reset(slot)
         batch = torch.tensor([slot], device=self.ring.device)
-        self._append(batch, torch.cat([prompt_ids, unique_first(prompt_topk[None], self.first, batch)[0]])[None])
+        if self.use_prompt:
+            stream = torch.cat([prompt_ids, unique_first(prompt_topk[None], self.first, batch)[0]])
+        else:
+            stream = first_topk.flatten()
+        self._append(batch, stream[None])
         self._refill(batch)  # the fill of the new window: nothing of the slot's last request's
 
     def update(self, batch: torch.Tensor, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
-        """A round's stream of every request: tree_ids [B, n] then ver_ids [B, m], each de-duplicated per row."""
-        self._append(batch, torch.cat([unique_first(tree_ids, self.first, batch),
+        """A round's stream of every request: the ids its plain steps deferred, then tree_ids [B, n], then
+        ver_ids [B, m], each part de-duplicated per row."""
+        if not self.use_rounds:
+            return
+        pending = self.pending.index_select(0, batch)
+        self._append(batch, torch.cat([unique_first(pending, self.first, batch),
+                                       unique_first(tree_ids, self.first, batch),
                                        unique_first(ver_ids, self.first, batch)], 1))
+        self.pending.index_fill_(0, batch, -1)
         self._refill(batch)
 
+    def defer(self, batch: torch.Tensor, ver_ids: torch.Tensor) -> None:
+        """A plain step's verified ids [B, m] (-1 = none) of every request, kept for its next round's update."""
+        if not self.use_rounds:
+            return
+        m = ver_ids.shape[1]
+        self.pending.index_copy_(0, batch, torch.cat([self.pending.index_select(0, batch)[:, m:], ver_ids], 1))
+
     def _refill(self, batch: torch.Tensor) -> None:
-        """WindowVocab._refill for every request at once (padding rows repeat the padding slot: same values)."""
+        """Each request's kept fill ids, from its window as it is now (padding rows repeat the padding slot: same
+        values)."""
         if self.fill is None:
             return
         in_window = self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + self.fill.ids] >= 0
@@ -147,7 +184,7 @@ class BatchWindow:
         B, n = new_ids.shape
         if n == 0:
             return
-        if self.row_of is not None:  # ids outside the draft vocabulary never enter the window (WindowVocab.in_vocab)
+        if self.row_of is not None:  # ids outside the draft vocabulary never enter the window (nor can be proposed)
             new_ids = torch.where(self.row_of[new_ids] >= 0, new_ids, -1)
         W, V, R = self.W, self.V, self.R
         ring, count, slot_of, id_of = (t.view(-1) for t in (self.ring, self.count, self.slot_of, self.id_of))
@@ -191,6 +228,8 @@ class BatchWindow:
         self.slot_of[:, V:].fill_(-1)
         self.id_of[:, R:].fill_(-1)
 
+        if not self.use_packed:  # naive: the head gathers its rows at every call
+            return
         packed = self.packed.view(-1, self.packed.shape[-1])
         rows = self.rows(torch.where(is_new, fresh, 0).flatten())
         dst = torch.where(is_new, at_r + slots, packed.shape[0] - 1).flatten()
@@ -217,7 +256,11 @@ class BatchWindow:
         R = self.R
         read = batch.clamp(max=top - 1)
         h = hidden.new_zeros(top, T, d).index_add_(0, read, torch.where((batch < top)[:, None, None], hidden, 0))
-        logits = torch.bmm(h, self.packed[:top, :R].transpose(1, 2)).index_select(0, read)
+        if self.use_packed:
+            rows = self.packed[:top, :R]
+        else:  # naive: an indexed GEMM over the window's scattered head rows, gathered at every call
+            rows = self.head_w[self.rows(self.id_of[:top, :R].clamp(min=0))]
+        logits = torch.bmm(h, rows.transpose(1, 2)).index_select(0, read)
         id_of = self.id_of[read, None, :R]
         if self.fill is not None:  # the shared fill rows in one GEMM over every row, their columns first as alone
             logits = torch.cat([torch.nn.functional.linear(hidden, self.fill_rows), logits], -1)

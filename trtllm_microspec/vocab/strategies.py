@@ -31,6 +31,8 @@ the ids the draft vocabulary lacks, so they can never be proposed (the pinned EO
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from plugins import ops
@@ -124,131 +126,48 @@ class Fill:
         return torch.where(out, self.ids, -1)
 
 
-class WindowVocab:
-    """The GPU-resident FIFO window over the candidate stream (state layout in plugins/ops.py), with an
-    optional fill (class Fill). Its packed rows are [fill F | window R | sink]: the fill's rows are gathered
-    once, and one packed_head over the first F + R rows scores both, the fill ids not kept masked as -1."""
+@dataclass(frozen=True)
+class Window:
+    """A MicroSpec window's settings; its state, one per batch slot, is vocab/batched.py's BatchWindow (the
+    layout of plugins/ops.py). Its scored rows are [fill F | window R]: the fill's rows gathered once, the
+    window's kept packed (gathered on a copy stream as ids enter), the fill ids not kept masked."""
 
     FLAGS = {"microspec": (True, True, True, FILL), "microspec-paper": (True, True, True, False),
              "ctx-only": (True, False, True, False), "ext-only": (False, True, True, False),
              "naive": (True, True, False, False)}  # name -> (prompt stream, round stream, packed buffer, fill)
 
-    def __init__(self, name: str, head: torch.Tensor, w_max: int, pinned: list[int],
-                 ranked_ids: torch.Tensor | None = None, head_ids: torch.Tensor | None = None,
-                 vocab_size: int | None = None):
-        """head_ids / vocab_size: an EAGLE-3 draft vocabulary (the module docstring); the window keeps target ids."""
-        V, d = head.shape
-        dev = head.device
-        self.row_of = None  # target id -> head row (None: the same)
-        if head_ids is not None:
-            V = vocab_size
-            self.row_of = row_index(head_ids, V)
-            pinned = [p for p in pinned if self.row_of[p] >= 0]
-            ranked = None if ranked_ids is None else ranked_ids.to(dev).long()
-            ranked_ids = head_ids if ranked is None else ranked[self.row_of[ranked] >= 0]
-        self.V = V
-        use_prompt, use_rounds, packed, fill = self.FLAGS[name]
-        self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev,
-                                                                          dtype=torch.long)
-        self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
-        self.R = R = w_max + len(self.pinned)
-        # R ranked ids: enough to fill every slot the window leaves free, whichever of them the window holds
-        self.fill = Fill(fill_ranking(ranked_ids, V, R), V, dev) if fill else None
-        F = self.fill.F if fill else 0
-        self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
-        self.head_pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.count = torch.zeros(V + 1, dtype=torch.int32, device=dev)
-        self.slot_of = torch.full((V + 1,), -1, dtype=torch.long, device=dev)
-        self.ids_all = torch.full((F + R + 1,), -1, dtype=torch.long, device=dev)
-        self.first = torch.full((V + 1,), ops.BIG, dtype=torch.long, device=dev)
-        self.rows_all = torch.zeros(F + R + 1, d, dtype=head.dtype, device=dev)  # last row: sink for padding
-        # the window's own state (plugins/ops.py's id_of and its packed rows) is the part after the fill
-        self.id_of_all, self.packed_all = self.ids_all[F:], self.rows_all[F:]
-        self.fill_id_of = self.ids_all[:F]  # the kept fill ids (-1: not kept)
-        if fill and packed:
-            self.rows_all[:F] = head[self.rows(self.fill.ids)]
-        self.packed, self.id_of = self.rows_all[:F + R], self.ids_all[:F + R]
-        # the gather of newly active rows runs on its own stream, hidden behind the draft backbone
-        self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and packed else None
-        self.in_flight: tuple | None = None
+    name: str
+    head_w: torch.Tensor  # [V, d] the draft head's rows (the target's LM head; EAGLE-3: its own, [V_draft, d])
+    w_max: int
+    pinned: list[int]  # ids always in the window (EOS; EAGLE-3: those of its draft vocabulary)
+    ranked_ids: torch.Tensor | None = None  # the fill's ranking (fill_ranking; EAGLE-3: within its vocabulary)
+    row_of: torch.Tensor | None = None  # EAGLE-3: target id -> head row [V + 1], -1 outside (row_index); None: same
+    vocab_size: int | None = None  # EAGLE-3: the target's V (the window's ids are target ids)
 
-    def reset(self) -> None:
-        P = len(self.pinned)
-        self.ring.fill_(-1)
-        self.head_pos.zero_()
-        self.count.zero_()
-        self.slot_of.fill_(-1)
-        self.ids_all.fill_(-1)
-        slots = torch.arange(P, device=self.ring.device)
-        self.count[self.pinned] = 1
-        self.slot_of[self.pinned] = slots
-        self.id_of_all[slots] = self.pinned
-        if self.use_packed:
-            ops.gather_rows(self.head_w, self.rows(self.pinned), self.packed_all, slots)
+    @property
+    def V(self) -> int:
+        """The window's id space: the target's ids."""
+        return self.head_w.shape[0] if self.row_of is None else self.vocab_size
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The head rows of target ids (of the draft vocabulary; padding's 0 reads any row)."""
-        return ids if self.row_of is None else self.row_of[ids].clamp(min=0)
+    @property
+    def use_prompt(self) -> bool:
+        return self.FLAGS[self.name][0]
 
-    def in_vocab(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (-1 = padding) with those the draft vocabulary lacks made padding too: they never enter the window."""
-        return ids if self.row_of is None else torch.where(self.row_of[ids] >= 0, ids, -1)
+    @property
+    def use_rounds(self) -> bool:
+        return self.FLAGS[self.name][1]
 
-    def _append(self, ids: torch.Tensor) -> None:
-        if ids.numel() == 0:
-            return
-        rows, slots = ops.window_update(self.ring, self.head_pos, self.count, self.slot_of, self.id_of_all,
-                                        self.first, self.in_vocab(ids))
-        if not self.use_packed:
-            return
-        rows = self.rows(rows)
-        if self.copy_stream is None:
-            ops.gather_rows(self.head_w, rows, self.packed_all, slots)
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream())  # the window state is ready
-        with torch.cuda.stream(self.copy_stream):
-            ops.gather_rows(self.head_w, rows, self.packed_all, slots)
-        self.in_flight = (rows, slots)  # keep the inputs alive until the copy stream is done with them
+    @property
+    def use_packed(self) -> bool:
+        return self.FLAGS[self.name][2]
 
-    def join(self) -> None:
-        """The compute stream waits for the gather: called after the draft forward it overlaps with."""
-        if self.in_flight is not None:
-            torch.cuda.current_stream().wait_stream(self.copy_stream)
-            self.in_flight = None
-
-    def _refill(self) -> None:
-        """The fill of the window as it is now (on the compute stream: its rows need no gather)."""
-        if self.fill is not None:
-            free = self.R - (self.id_of_all[:self.R] >= 0).sum()
-            self.fill_id_of.copy_(self.fill.keep(self.slot_of[self.fill.ids] >= 0, free))
-
-    def start(self, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor, first_topk: torch.Tensor) -> None:
-        self.reset()
-        if self.use_prompt:
-            self._append(torch.cat([prompt_ids, ops.unique_first(prompt_topk, self.first)]))
-        else:
-            self._append(first_topk)
-        self._refill()
-
-    def update(self, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
-        if self.use_rounds:
-            self._append(torch.cat([ops.unique_first(tree_ids, self.first), ops.unique_first(ver_ids, self.first)]))
-            self._refill()
-
-    def head(self, hidden: torch.Tensor, k: int):
-        if not self.use_packed:  # naive: an indexed GEMM over scattered rows, every call
-            return ops.packed_head(hidden, self.head_w[self.rows(self.id_of.clamp(min=0))], self.id_of, k)
-        return ops.packed_head(hidden, self.packed, self.id_of, k)
-
-    def size(self) -> torch.Tensor:
-        return (self.id_of >= 0).sum()  # the window's ids and the kept fill ids
-
-    def contains(self, ids: torch.Tensor) -> torch.Tensor:
-        inside = self.slot_of[ids] >= 0
-        if self.fill is None:
-            return inside
-        rank = self.fill.rank_of[ids]
-        return inside | (self.fill_id_of[rank.clamp(max=self.fill.F - 1)] >= 0) & (rank < self.fill.F)
+    @property
+    def fill_ids(self) -> torch.Tensor | None:
+        """R = W_max + pinned ranked ids: enough to fill every slot the window leaves free, whichever it holds."""
+        if not self.FLAGS[self.name][3]:
+            return None
+        R = self.w_max + len(set(self.pinned))
+        return fill_ranking(self.ranked_ids, self.V, R)
 
 
 def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 3072,
@@ -257,10 +176,14 @@ def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 
     """head_ids / vocab_size: an EAGLE-3 head's own draft vocabulary, which is also frspec's static one."""
     if method == "eagle" or (method == "frspec" and head_ids is not None):
         return FullVocab(head, head_ids, vocab_size)
-    if head_ids is not None:
-        return WindowVocab(method, head, w_max, pinned, ranked_ids, head_ids, vocab_size)
+    if head_ids is not None:  # a window over an EAGLE-3 draft vocabulary: only its ids may enter (module docstring)
+        row_of = row_index(head_ids, vocab_size)
+        pinned = [p for p in pinned if row_of[p] >= 0]
+        ranked = None if ranked_ids is None else ranked_ids.to(row_of.device).long()
+        ranked = head_ids if ranked is None else ranked[row_of[ranked] >= 0]
+        return Window(method, head, w_max, pinned, ranked, row_of, vocab_size)
     if method == "frspec":
         if ranked_ids is None:
             raise UserError("frspec needs token frequencies: run `microspec build-freq --engine DIR` first")
         return StaticVocab(head, ranked_ids, static_k, pinned)
-    return WindowVocab(method, head, w_max, pinned, ranked_ids)
+    return Window(method, head, w_max, list(pinned), ranked_ids)

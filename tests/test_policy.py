@@ -1,0 +1,166 @@
+"""The speculation policy (engine/policy.py) on the CPU in fp32 with SmolLM2-135M: it picks plain decoding when the
+(mocked) step costs say speculation costs more than it returns and the full tree when it pays; whatever it picks,
+every step shape (plain rows, each tree) gives AR's tokens, padding rows included; a request's MicroSpec window
+and draft state carry on through the steps where it is not speculated."""
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from trtllm_microspec import LLM
+from trtllm_microspec.engine.policy import SpecPolicy, StepCosts, prior_tokens, tree_shapes
+from trtllm_microspec.models.registry import UserError
+from trtllm_microspec.spec.tree import TreeConfig
+
+SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
+# (prompt, chat, max_new_tokens)
+CASES = [("def fibonacci(n):", False, 12), ("What is the capital of France? The capital of France is", False, 14),
+         ("The sea is blue and wide, and the ships sail on it to the far away lands where", False, 10)]
+
+
+@pytest.fixture(scope="module")
+def alone(engine_dir):
+    ar = LLM(engine_dir, "ar", device="cpu", max_batch=4)
+    return [ar.generate(p, m, chat=c).token_ids for p, c, m in CASES]
+
+
+def requests(*ratios):
+    return [SimpleNamespace(accept_ratio=r) for r in ratios]
+
+
+def test_shapes():
+    tree = TreeConfig(depth=5, top_k=10, total_tokens=60)
+    assert tree_shapes(tree, "fixed") == [None, tree]
+    shapes = tree_shapes(tree, "auto")
+    assert shapes[0] is None and shapes[-1] == tree and [t.total_tokens for t in shapes[1:]] == [4, 16, 60]
+    assert [t.total_tokens for t in tree_shapes(TreeConfig(2, 3, 8), "auto")[1:]] == [4, 8]
+    assert prior_tokens(None) == 1 < prior_tokens(shapes[1]) < prior_tokens(shapes[2]) < prior_tokens(tree)
+
+
+def test_policy_picks_what_pays():
+    """Goodput = the requests' expected tokens / the step's cost: plain when a tree costs more than it returns,
+    the full tree when it pays, plain again for requests that stop accepting."""
+    shapes = tree_shapes(TreeConfig(2, 3, 8), "auto")
+    cost = {0: 1.0, 1: 1.0, 2: 1.0}
+    policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]))
+    assert policy.choose(requests(None, None), 2) == 2  # as cheap as plain: the biggest tree returns the most
+    cost.update({1: 10.0, 2: 10.0})
+    policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]))
+    assert policy.choose(requests(None, None), 2) == 0  # 10x a plain step for < 3 tokens: plain
+    cost.update({1: 1.5, 2: 1.6})
+    policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]))
+    reqs = requests(None, None)
+    assert policy.choose(reqs, 2) == 2
+    for _ in range(20):  # rounds that accept nothing (1 token each): speculation no longer pays
+        policy.observe(reqs, 2, 2, [1, 1], 1.6)
+    assert all(r.accept_ratio < 0.05 for r in reqs) and policy.choose(reqs, 2) == 0
+    assert policy.choose(requests(None), 1) == 0  # a new request starts from the batch's (now low) acceptance
+    fixed = SpecPolicy(tree_shapes(TreeConfig(2, 3, 8), "fixed"), "fixed", StepCosts(lambda s, rows: 1 / 0))
+    assert fixed.choose(reqs, 2) == 1  # fixed: the configured tree, no cost asked
+
+
+def test_costs_follow_the_engine():
+    """A step's measured time corrects its rows bucket for every shape (a longer KV span slows them all)."""
+    costs = StepCosts(lambda s, rows: {0: 1.0, 1: 2.0}[s] * rows)
+    assert costs(1, 4) == 8.0
+    costs.observe(0, 4, 8.0)  # plain steps at 4 rows run 2x what was calibrated
+    assert costs(0, 4) == 8.0 and costs(1, 4) == 16.0 and costs(1, 2) == 4.0
+
+
+@pytest.mark.parametrize("method", ["eagle", "microspec"])
+def test_every_shape_equals_ar(method, engine_dir, random_draft_dir, alone):
+    """3 requests in 4 batch slots (a padding row every step), the policy made to cycle through plain rows and
+    every tree it may pick: each request gets AR's tokens."""
+    llm = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=4, **SPEC)
+    runner = llm.scheduler().runner
+    assert [t and t.total_tokens for t in runner.shapes] == [None, 4, 8]
+    cycle = itertools.cycle(range(len(runner.shapes)))
+    runner.policy.choose = lambda reqs, rows: next(cycle)
+    results = llm.generate([p for p, _, _ in CASES], [m for _, _, m in CASES])
+    assert [r.token_ids for r in results] == alone
+    assert set(results[0].stats["tree_sizes"]) == {1, 4, 8}, results[0].stats  # the longest ran every shape
+
+
+@pytest.mark.parametrize("expensive", [True, False])
+def test_mocked_costs(expensive, engine_dir, random_draft_dir, alone):
+    """Speculation 10x a plain step: every step is plain (no round); as cheap as a plain step: every step runs
+    the full tree. AR's tokens either way."""
+    llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    runner = llm.scheduler().runner
+    runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 else 10.0 if expensive else 1.0)
+    runner.policy.costs.observe = lambda *a: None  # the mocked costs stay as they are
+    results = llm.generate([CASES[0][0], CASES[2][0]], [CASES[0][2], CASES[2][2]])
+    assert [r.token_ids for r in results] == [alone[0], alone[2]]
+    for r in results:
+        sizes = r.stats["tree_sizes"]
+        assert set(sizes) == ({1} if expensive else {8}), sizes
+        assert (r.stats["rounds"] == 0) == expensive
+    steps = [rec.tree for rec in llm.scheduler().history if rec.decodes]
+    assert set(steps) == ({1} if expensive else {8})
+
+
+def test_window_survives_plain_steps(engine_dir, alone):
+    """The shipped head with a window that evicts nothing (w_max 4096), the policy alternating plain steps and
+    full rounds: a plain step leaves the request's window as it is and keeps its verified top-K ids for the next
+    round, after which the window holds every token emitted so far (plain steps' included) beside every id it
+    held; the rounds after plain steps still accept drafted tokens (the draft's hidden and KV carried on), with
+    AR's tokens."""
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=2, **{**SPEC, "w_max": 4096})
+    sched = llm.scheduler()
+    runner = sched.runner
+    cycle = itertools.cycle([0, 2])
+    runner.policy.choose = lambda reqs, rows: next(cycle)
+    req = sched.add(llm.prompt_ids(CASES[0][0]), 24)
+    v = runner.vocab
+
+    def window(slot):
+        return set(v.id_of[slot, :v.R][v.id_of[slot, :v.R] >= 0].tolist())
+
+    plain_steps = rounds = 0
+    while not req.done:
+        before = window(req.slot) if req.slot >= 0 and not req.prefilling else None
+        slot = req.slot
+        sched.step()
+        if before is None or req.done:
+            continue
+        after = window(slot)
+        if sched.history[-1].tree == 1:
+            assert after == before and (v.pending[slot] >= 0).any(), "a plain step changed the window"
+            plain_steps += 1
+        else:
+            assert before <= after and set(req.out) <= after, "a round lost the plain steps' ids"
+            assert (v.pending[slot] == -1).all()
+            rounds += 1
+    assert plain_steps >= 3 and rounds >= 3
+    assert req.out == LLM(engine_dir, "ar", device="cpu").generate(CASES[0][0], 24).token_ids
+    assert req.stats.rounds >= 3 and req.stats.round_tokens > req.stats.rounds  # drafts still accepted
+
+
+def test_bad_policy(engine_dir, capsys):
+    with pytest.raises(UserError, match="unknown spec_policy 'sometimes'"):
+        LLM(engine_dir, "microspec", device="cpu", spec_policy="sometimes")
+    from trtllm_microspec.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--engine", str(engine_dir), "--prompt", "hi", "--spec-policy", "sometimes"])
+    assert e.value.code == 2 and "microspec: error:" in capsys.readouterr().err
+
+
+def test_sampled_equals_ar_for_every_shape(engine_dir, random_draft_dir):
+    """Sampling: a token's uniform is a hash of its request's seed and its position (spec/sampling.py), so with one
+    seed every tree shape -- the policy cycling through them, beside greedy and other sampled requests, with padding
+    rows -- emits AR's sampled tokens alone, token for token."""
+    ar = LLM(engine_dir, "ar", device="cpu", max_batch=4)
+    knobs = [dict(temperature=0.9, seed=11), dict(temperature=1.3, top_k=20, seed=12), {}]
+    want = [ar.generate(p, m, **s).token_ids for (p, _, m), s in zip(CASES, knobs)]
+    assert want[0] != ar.generate(CASES[0][0], CASES[0][2], temperature=0.9, seed=13).token_ids  # the seed counts
+    llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=4, **SPEC)
+    sched = llm.scheduler()
+    cycle = itertools.cycle(range(len(sched.runner.shapes)))
+    sched.runner.policy.choose = lambda reqs, rows: next(cycle)
+    from trtllm_microspec.spec.sampling import SamplingParams
+    reqs = [sched.add(llm.prompt_ids(p), m, SamplingParams(**s)) for (p, _, m), s in zip(CASES, knobs)]
+    sched.run(reqs)
+    assert [r.out for r in reqs] == want
+    assert llm.generate(CASES[1][0], CASES[1][2], **knobs[1]).token_ids == want[1]  # alone, one request

@@ -1,0 +1,121 @@
+"""The speculation policy of the batched engine: each step, how many tree tokens speculation gets.
+
+A speculative round pays for its tree (the draft's depth + 1 head calls and total_tokens target rows per request)
+and returns the tokens its requests accept; a plain step (shape 0: the root alone, one target row per request and
+the draft's catch-up row) returns one token per request. Which pays depends on the step: on a GPU a 60-token tree
+at 1 request costs little more than a decode step (the step is bound by reading the weights), at 64 requests it is
+compute-bound and costs many. So the policy picks, every step, the shape among `shapes` that maximises the batch's
+expected tokens per second,
+
+    goodput(s) = sum over the step's requests r of E_s(r)  /  cost(s, rows bucket),
+
+with cost from `StepCosts` (seconds per step of each (shape, rows bucket), measured) and E_s(r) the request's
+expected tokens per round under s. Plain decoding (E = 1) is always a candidate and wins ties, so speculation never
+runs where it is expected to return less than it costs. The batch runs one shape per step (one pass, one graph per
+shape bucket); each request's own acceptance weighs in through E_s(r).
+
+Acceptance model: E_s(r) = 1 + rho_r (G_s - 1), where G_s is the shape's prior tokens per round (an EAGLE-2 tree
+accepting a level with a chance that grows with the level's width: `prior_tokens`) and rho_r the request's running
+ratio of what it accepted to that prior (an exponential average over its speculative rounds, starting from the
+batch-wide one). The priors only rank the shapes against each other; rho carries what the head actually achieves
+on the request's text. The policy never changes what is emitted: greedy stays AR's argmax and sampling AR's
+distribution whatever it picks (the verification is lossless for any tree, the root-only one included).
+
+`fixed` always runs the configured tree (the engine before this policy). Costs are calibrated per (shape, rows
+bucket) on first need by timing a round of padding rows (SpecRunner.measure; at start-up on CUDA for every bucket,
+capturing the graphs), then followed from the running engine: each step's measured time corrects its bucket's
+estimate for every shape (`drift`), so a longer KV span or another load shows in every shape's cost alike.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..spec.tree import TreeConfig
+
+POLICIES = ("auto", "fixed")
+# smaller trees the policy may pick below the configured one (each kept only if strictly smaller): the
+# "16 tokens, depth 3, top-4" tree measured in issue 22, and a chain-like 4-token one for lightly loaded big batches
+SMALLER_TREES = (TreeConfig(depth=3, top_k=4, total_tokens=16), TreeConfig(depth=1, top_k=2, total_tokens=4))
+EMA = 0.2  # weight of a new observation in the running averages (acceptance ratio, cost drift)
+
+
+def tree_shapes(tree: TreeConfig, policy: str) -> list[TreeConfig | None]:
+    """The shapes a step may run: None (plain decode rows) first, then trees from small to the configured one
+    (fixed: that tree only, as shape 1)."""
+    if policy == "fixed":
+        return [None, tree]
+    small = [t for t in SMALLER_TREES if t.total_tokens < tree.total_tokens and t.depth <= tree.depth]
+    return [None, *sorted(small, key=lambda t: t.total_tokens), tree]
+
+
+def prior_tokens(tree: TreeConfig | None, top1: float = 0.45, gamma: float = 0.3) -> float:
+    """Tokens per round a tree is expected to give a typical head: each of its depth + 1 levels accepts with
+    alpha = 1 - (1 - top1) w^-gamma, w the level's width (its tokens per level, at most top_k), after the previous
+    level accepted; plus the bonus token."""
+    if tree is None:
+        return 1.0
+    levels = tree.depth + 1
+    w = min(tree.top_k, (tree.total_tokens - 1) / levels)
+    alpha = 1 - (1 - top1) * w ** -gamma
+    return 1 + sum(alpha ** i for i in range(1, levels + 1))
+
+
+class StepCosts:
+    """Seconds per step of each (shape index, rows bucket): measured once by `measure(shape, rows)` (on first
+    need; a test passes its own), corrected per rows bucket by the steps the engine runs (`observe`)."""
+
+    def __init__(self, measure: Callable[[int, int], float]):
+        self.measure = measure
+        self.base: dict[tuple[int, int], float] = {}
+        self.drift: dict[int, float] = {}  # rows bucket -> running ratio measured / calibrated
+
+    def __call__(self, shape: int, rows: int) -> float:
+        key = (shape, rows)
+        if key not in self.base:
+            self.base[key] = max(float(self.measure(shape, rows)), 1e-9)
+        return self.base[key] * self.drift.get(rows, 1.0)
+
+    def observe(self, shape: int, rows: int, seconds: float) -> None:
+        self(shape, rows)  # calibrated first
+        ratio = seconds / self.base[shape, rows]
+        d = self.drift.get(rows)
+        self.drift[rows] = ratio if d is None else d + EMA * (ratio - d)
+
+
+class SpecPolicy:
+    def __init__(self, shapes: list[TreeConfig | None], policy: str, costs: StepCosts):
+        if policy not in POLICIES:
+            from ..models.registry import UserError
+            raise UserError(f"unknown spec policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.shapes, self.policy, self.costs = shapes, policy, costs
+        self.prior = [prior_tokens(t) for t in shapes]
+        self.rho = 1.0  # the batch-wide acceptance ratio: where a new request starts
+
+    def choose(self, reqs: list, rows: int) -> int:
+        """The shape index of this step for `reqs` (their rows bucket `rows`)."""
+        if self.policy == "fixed":
+            return len(self.shapes) - 1
+        rho = sum(self.ratio(r) for r in reqs)  # sum of E_s(r) = len(reqs) + rho_sum (G_s - 1)
+        best, best_rate = 0, len(reqs) / self.costs(0, rows)
+        for s in range(1, len(self.shapes)):
+            rate = (len(reqs) + rho * (self.prior[s] - 1)) / self.costs(s, rows)
+            if rate > best_rate:
+                best, best_rate = s, rate
+        return best
+
+    def ratio(self, req) -> float:
+        return self.rho if req.accept_ratio is None else req.accept_ratio
+
+    def observe(self, reqs: list, shape: int, rows: int, tokens: list[int], seconds: float) -> None:
+        """A step ran: its time corrects the cost model, a speculative round's tokens per request each request's
+        acceptance ratio (and the batch's)."""
+        if self.policy == "fixed":  # nothing to decide: no cost to measure
+            return
+        self.costs.observe(shape, rows, seconds)
+        if self.shapes[shape] is None:
+            return
+        g = self.prior[shape] - 1
+        for r, t in zip(reqs, tokens):
+            seen, now = (t - 1) / g, self.ratio(r)
+            r.accept_ratio = now + EMA * (seen - now)
+            self.rho += EMA / len(reqs) * (seen - self.rho)
