@@ -55,7 +55,7 @@ step_ms = r.stats["wall_s"] / steps * 1e3
 # the collectives of one target pass alone: 2 all-reduces a layer over the rows a step runs (AR 1, a tree
 # total_tokens), captured in one CUDA graph as the engine captures them (zeros: the sums stay finite)
 c = llm.target.cfg
-rows = 1 if method == "ar" else llm.executor.tree.total_tokens
+rows = 1 if method == "ar" else llm.tree.total_tokens
 x = torch.zeros(rows, c.hidden_size, dtype=llm.target.cache.k.dtype, device="cuda")
 for _ in range(3):
     parallel.all_reduce(x)

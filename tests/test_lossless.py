@@ -64,7 +64,7 @@ def ar(engine):
 
 class SelfDraft:
     """The target (same weights) in the draft's seat, through the draft interface the engine calls: `cfg` (the
-    shapes of its KV pool, which the engine allocates) and `hidden(..., cache=)`."""
+    shapes of its KV pool, which the engine allocates), `hidden(..., cache=)`, `features` and `head_in`."""
 
     def __init__(self, target):
         self.model, self.cfg = target, target.cfg
@@ -72,17 +72,17 @@ class SelfDraft:
     def hidden(self, tokens, features, positions, slots, span, cache):
         return self.model(tokens, positions, slots, span, cache=cache)
 
-
-def self_drafted(llm):
-    """llm with the self-draft: its engine is made again around it."""
-    llm.draft, llm._scheduler = SelfDraft(llm.target), None
-    return llm
-
     def features(self, h):  # the rest of a draft head's interface (spec/eagle.py): the target's hidden as it is
         return h
 
     def head_in(self, h):
         return h
+
+
+def self_drafted(llm):
+    """llm with the self-draft: its engine is made again around it."""
+    llm.draft, llm._scheduler = SelfDraft(llm.target), None
+    return llm
 
 
 def check(llm, method, knobs, case, got, want):
