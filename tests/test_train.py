@@ -97,7 +97,8 @@ def test_unrolled_step_sees_what_a_tree_node_sees(engine_dir, convs, trained):
 def test_saved_head_generates(engine_dir, trained):
     out, _ = trained
     assert {k.split(".")[0] for k in load_file(out / "model.safetensors")} == {"fc", "layers"}
-    r = LLM(engine_dir, method="eagle", draft=out, max_seq_len=256).generate("Hello!", max_new_tokens=8, chat=True)
+    r = LLM(engine_dir, method="eagle", draft=out, max_seq_len=256, spec_policy="fixed").generate(  # every step a round
+        "Hello!", max_new_tokens=8, chat=True)
     assert r.num_new_tokens > 0 and r.stats["rounds"] > 0  # speculative rounds ran with the trained head
 
 

@@ -475,14 +475,15 @@ def _shuffled(packs: list[Pack], seed: int) -> list[Pack]:
 def spec_eval(engine_dir: Path, draft_dir: Path, device: str | None, max_new_tokens: int,
               methods: tuple[str, ...] = EVAL_METHODS, questions: int = 1) -> dict:
     """Acceptance length (tokens per round, bonus included) of the head on the first turn of the first `questions`
-    questions of each EVAL_CATEGORIES category, per method (default tree)."""
+    questions of each EVAL_CATEGORIES category, per method (default tree, every step a round of it: spec_policy
+    fixed, so the number is the head's, not the speculation policy's choice of trees)."""
     from ..bench.specbench import data_dir, load_questions
     from ..llm import LLM
 
     questions = load_questions(data_dir(None), list(EVAL_CATEGORIES), questions)
     out = {}
     for method in methods:
-        llm = LLM(engine_dir, method=method, draft=draft_dir, device=device)
+        llm = LLM(engine_dir, method=method, draft=draft_dir, device=device, spec_policy="fixed")
         rounds = tokens = 0
         for q in tqdm(questions, desc=f"acceptance ({method})", unit="prompt", dynamic_ncols=True):
             st = llm.generate(q["turns"][0], max_new_tokens, chat=True).stats
