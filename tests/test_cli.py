@@ -78,7 +78,8 @@ def test_generate_json(capsys, engine, random_draft_dir):
     # a speculative method prints the same tokens, with its own stats
     code, out, err = run(capsys, *gen(engine, "--prompt", "What is the capital of France?", "--chat",
                                       "--max-new-tokens", "6", "--json", "--method", "microspec",
-                                      "--draft", random_draft_dir, "--depth", "2", "--total-tokens", "8"))
+                                      "--draft", random_draft_dir, "--depth", "2", "--total-tokens", "8",
+                                      "--spec-policy", "fixed"))  # every step a round (auto may pick plain rows)
     assert code == 0, err
     spec = json.loads(out)
     assert spec["token_ids"] == r["token_ids"] and spec["text"] == r["text"]
@@ -244,7 +245,8 @@ def test_k_pre_and_k_ver_zero(capsys, engine, random_draft_dir):
     def vocab_and_ids(*knobs):
         code, out, err = run(capsys, *gen(engine, "--prompt", "The capital of France is", "--max-new-tokens", 8,
                                           "--json", "--method", "microspec-paper", "--draft", random_draft_dir,
-                                          "--depth", 2, "--tree-top-k", 4, "--total-tokens", 8, *knobs))
+                                          "--depth", 2, "--tree-top-k", 4, "--total-tokens", 8, "--spec-policy",
+                                          "fixed", *knobs))  # rounds, whose window is measured (auto: timing's pick)
         assert code == 0, err
         r = json.loads(out)
         return r["stats"]["vocab_mean"], r["token_ids"]
