@@ -42,8 +42,9 @@
 #              $OUT/smol_head/head (config.json + model.safetensors: the format of trtllm_microspec/drafts/
 #              smollm2-135m), --eval on the GPU, then the new head beside the shipped one on the CPU in fp32 (the
 #              quickstart's tree, chat prompts of its kind) -> $OUT/smol_head/smol-head.md. ~7 min on an H200
-#   policy     the speculation policy (issue 22, ~5 min on an H200): ar, eagle and microspec with the fixed default
-#              tree and with --spec-policy auto, vLLM AR and vLLM EAGLE (the same head) beside, at POLICY_LEVELS on
+#   policy     the speculation policy (issue 22; ~6-8 min on an H200, 2 of them vLLM's two start-ups): ar, eagle
+#              and microspec with the fixed default tree and with --spec-policy auto, vLLM AR and vLLM EAGLE (the
+#              same head) beside, at POLICY_LEVELS on
 #              the load stage's Spec-Bench first turns (POLICY_K x c of them at level c), batched runs only; the
 #              acceptance and the tree sizes the policy chose per level in the table
 #   load       throughput under load (~5 min on an H200): the batched engine's step timeline at batch 64/128/256,
@@ -62,7 +63,7 @@ LEVELS=${LEVELS:-1,2,4,8,16,32}  # sweep: the concurrency levels
 LOAD_LEVELS=${LOAD_LEVELS:-32,64,128,256}  # load: the concurrency levels
 LOAD_LIMIT=${LOAD_LIMIT:-40}  # load: first turns per Spec-Bench category (6 categories: 240 requests)
 POLICY_LEVELS=${POLICY_LEVELS:-1,4,16,64,256}  # policy: the concurrency levels
-POLICY_K=${POLICY_K:-4}      # policy: first turns per level, per unit of concurrency (level c decodes K x c)
+POLICY_K=${POLICY_K:-2}      # policy: first turns per level, per unit of concurrency (level c decodes K x c)
 POLICY_TOKENS=${POLICY_TOKENS:-128}  # policy: new tokens per request
 POLICY_METHODS=${POLICY_METHODS:-ar,eagle@fixed,eagle@auto,microspec@fixed,microspec@auto,vllm,vllm-eagle}
 REFS=${REFS:-hf-compiled}    # outside references: hf, hf-compiled, vllm, vllm-eagle (vLLM where installed)

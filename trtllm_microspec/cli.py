@@ -214,6 +214,9 @@ def cmd_quickstart(a) -> None:
           f"{'CPU' if dev.type == 'cpu' else 'GPU'}'s tree)")
     prompt = a.prompt
     results = {}
+    # every step a round: the quickstart shows what a round accepts (auto may decode plainly where a round costs more
+    # than it returns, as on most CPUs)
+    a.spec_policy = "fixed"
     for method in ("ar", "microspec"):
         a.method = method
         r = llm_from_args(a).generate(prompt, a.max_new_tokens, chat=True)

@@ -462,15 +462,15 @@ class SpecRunner(BatchRunner):
             path = k = torch.zeros_like(root)
             path, emitted = path[:, None], choice.view(Bb, 1)
             size = covered = k
-            ver = logits[:, 0].topk(self.k_ver, -1).indices
+            ver = t.topk(logits[:, 0], self.k_ver)  # (under --tp: over the ranks' vocabulary slices)
             vocab.defer(slots, torch.where(real, ver, -1))
         else:
             path, k, emitted = accept(tree, choice.view(Bb, N), P)
             valid = steps[None, :] <= k[:, None]
             size = vocab.size(slots)
             covered = (vocab.contains(slots, emitted) & valid).sum(1)
-            ver = logits.gather(1, path[:, :, None].expand(Bb, P, V)).topk(self.k_ver, -1).indices
-            ver = torch.where(valid[:, :, None], ver, -1).flatten(1)
+            ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
+            ver = torch.where(valid[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
             # the accepted path's KV to the committed slots
             self.cache.move(physical(table, n[:, None] + path).flatten(),
                             physical(table, n[:, None] + steps).flatten())
