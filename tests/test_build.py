@@ -175,7 +175,8 @@ def test_build_draft_from_eagle_checkpoint(engine_dir, tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert json.loads((out / "config.json").read_text())["bias"] is True
     ar = LLM(engine_dir, "ar", device="cpu").generate(PROMPT, 16)
-    spec = LLM(engine_dir, "eagle", draft=out, device="cpu", depth=2, top_k=4, total_tokens=10).generate(PROMPT, 16)
+    spec = LLM(engine_dir, "eagle", draft=out, device="cpu", depth=2, top_k=4, total_tokens=10,
+               spec_policy="fixed").generate(PROMPT, 16)  # every step a round: rounds ran with the built head
     assert spec.token_ids == ar.token_ids and spec.stats["rounds"] > 0
 
 
