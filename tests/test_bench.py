@@ -107,7 +107,7 @@ def test_questions():
 
 @pytest.mark.parametrize("args", [["--categories", "nope"], ["--methods", "ar,nope"], ["--data", "/nonexistent"],
                                   ["--concurrency", "2", "--methods", "ar,hf"],
-                                  ["--concurrency", "2", "--methods", "ar,naive"], ["--concurrency", "0"],
+                                  ["--methods", "ar,microspec@sometimes"], ["--concurrency", "0"],
                                   ["--concurrency", "2,x"],
                                   ["--concurrency", "2", "--tp", "2"], ["--server", "127.0.0.1:1"]])
 def test_bad_input(args, tmp_path, capsys):
