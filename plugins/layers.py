@@ -138,8 +138,8 @@ def add_rms_norm(res: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
     """res + delta (delta first normed by delta_w: Gemma's post-norms), and the RMSNorm of that sum by w.
     Returns (new residual, normed). delta None: just the norm of res."""
     if fast(res, delta, w, delta_w):
-        from .triton_layers import add_rms_norm as kernel
-        return kernel(res, delta, w, eps, offset, delta_w)
+        from .triton_layers import add_rms_norm as kernel  # the kernel reads rows densely
+        return kernel(res.contiguous(), None if delta is None else delta.contiguous(), w, eps, offset, delta_w)
     if delta is not None:
         res = res + (rms_norm(delta, delta_w, eps, offset) if delta_w is not None else delta)
     return res, rms_norm(res, w, eps, offset)
