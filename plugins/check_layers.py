@@ -113,8 +113,44 @@ def check_norm_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, has_del
     return out
 
 
+def check_norm_qkv_rope(dev, dtype, g, M: int, H: int, KV: int, D: int, K: int, bias: bool,
+                        has_delta: bool) -> list[tuple[tuple, float]]:
+    """add + RMSNorm + q|k|v + rotary + KV-cache write in one launch (every config whose column blocks tile the
+    heads) against norm_linear + rope_cache_write on the reference path: the largest error of the new residual,
+    q, and the k and v written (the caches poisoned first, so an unwritten slot fails)."""
+    from .triton_layers import rope_fits, skinny_configs, skinny_norm_linear
+
+    gd = torch.Generator(device=dev).manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    N, S = (H + 2 * KV) * D, 3 * M + 8
+    res = (torch.randn(M, K, generator=gd, device=dev) * 3).to(dtype)
+    delta = torch.randn(M, K, generator=gd, device=dev).to(dtype) if has_delta else None
+    nw = torch.randn(K, generator=gd, device=dev).to(dtype)
+    w = (torch.randn(N, K, generator=gd, device=dev) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=gd, device=dev).to(dtype) if bias else None
+    ang = torch.rand(S, D // 2, generator=gd, device=dev) * 6
+    cos, sin = ang.cos(), ang.sin()
+    pos = torch.randint(S, (M,), generator=gd, device=dev)
+    slots = torch.randperm(S, generator=gd, device=dev)[:M]
+
+    def run(fn):
+        k = torch.full((KV, S, D), float("nan"), dtype=dtype, device=dev)
+        v = k.clone()
+        new_res, q = fn((H, KV, (cos, sin), pos, slots, k, v))
+        return new_res, q, k[:, slots], v[:, slots]
+
+    with layers.path(False):
+        ref = run(lambda r: layers.norm_linear(res, delta, nw, 1e-6, 0.0, w, b, rope=(*r, None, 1e-6)))
+    out = []
+    for c in [c for c in skinny_configs(M, N, K, dtype == torch.float32) if rope_fits(c, D)]:
+        got = run(lambda r: skinny_norm_linear(res, delta, nw, 1e-6, 0.0, w, b, c, r))
+        again = run(lambda r: skinny_norm_linear(res, delta, nw, 1e-6, 0.0, w, b, c, r))
+        same = all(torch.equal(a, b) for a, b in zip(got, again))  # counters reset, fixed sum order: same bits
+        out.append((c, max(rel(a, r) for a, r in zip(got, ref)) if same else float("inf")))
+    return out
+
+
 def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, act: bool, bias: bool,
-                            norm: bool = False):
+                            norm: bool = False, rope: bool = False):
     """Compile the skinny GEMM for sm_90 without a GPU (Triton's own ptxas), with the 16-divisibility Triton
     infers for real shapes: -> (shared memory bytes, whether the K loop is pipelined through cp.async)."""
     from triton import compile as build
@@ -125,15 +161,19 @@ def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, ac
 
     dt = "fp32" if fp32 else "bf16"
     block_n, block_k, splits = config
-    const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, NORM=norm, HAS_DELTA=norm,
-                 BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=fp32)
+    const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, NORM=norm, HAS_DELTA=norm, ROPE=rope,
+                 HEAD_D=128, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k,
+                 IEEE=fp32)
     sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}, "part_ptr": "*fp32",
            **{p: f"*{dt}" for p in ("d_ptr", "nw_ptr", "res_ptr")}, "sq_ptr": "*fp32", "cnt_ptr": "*i32",
+           "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+           **{p: f"*{dt}" for p in ("q_ptr", "k_ptr", "v_ptr")},
            **{n: "i32" for n in ("M", "N", "K", "k_split", "n_splits", "stride_xm")}, "eps": "fp32", "offset": "fp32",
+           **{n: "i32" for n in ("H", "KV", "stride_pos", "stride_slot", "stride_kh", "stride_ks")},
            **{k: "constexpr" for k in const}}
     names = _skinny_kernel.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig
-             if n not in const and n not in ("M", "n_splits", "eps", "offset")}
+             if n not in const and n not in ("M", "n_splits", "eps", "offset", "H", "KV", "stride_pos", "stride_slot")}
     k = build(ASTSource(_skinny_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
               options=dict(num_warps=4, num_stages=3 if fp32 or M > 16 else 4))
     return k.metadata.shared, "cp.async" in k.asm["ptx"]
@@ -410,6 +450,11 @@ def cases(dev: str, big: bool, g):
     if big:
         nl = [((17,), (17,), 50, 520, False, True, 1.0), ((1, 24, 60), (1,), 2048, 1536, True, True, 0.0),
               ((1, 60), (), 17920, 1536, False, True, 0.0), ((1,), (), 2048, 1536, True, False, 1.0)]
+    # (bf16 rows, fp32 rows, H, KV, D, K, bias, delta): + the rotation and KV write in the q|k|v epilogue
+    rq = [((1,), (1,), 4, 2, 32, 128, True, True), ((17,), (17,), 3, 1, 64, 256, False, True),
+          ((5,), (), 2, 1, 16, 64, True, False)]
+    if big:
+        rq = [((1, 24, 60), (1, 60), 12, 2, 128, 1536, True, True), ((1,), (), 9, 3, 64, 576, False, False)]
     from .triton_layers import skinny_configs
 
     def configs(m, N, K, dtype):
@@ -435,6 +480,16 @@ def cases(dev: str, big: bool, g):
 
                 yield (f"norm_linear (add + RMSNorm in the skinny GEMM) M={m} N={N} K={K} bias={bias} add={delta} "
                        f"offset={offset:g} {dn} configs {configs(m, N, K, dtype)}", TOL[dtype], check)
+        for rows16, rows32, H, KV, D, K, bias, delta in rq:
+            for m in rows16 if dtype == torch.bfloat16 else rows32:
+                def check(m=m, H=H, KV=KV, D=D, K=K, bias=bias, delta=delta, dtype=dtype):
+                    errs = check_norm_qkv_rope(dev, dtype, g, m, H, KV, D, K, bias, delta)
+                    return max(e for _, e in errs), " ".join(f"{fmt_config(c)}: {e:.1e}" for c, e in errs)
+
+                fits = " ".join(fmt_config(c) for c in skinny_configs(m, (H + 2 * KV) * D, K,
+                                                                      dtype == torch.float32) if D % c[0] == 0)
+                yield (f"norm_linear + rope_cache_write (skinny GEMM) M={m} H={H}/{KV} D={D} K={K} bias={bias} "
+                       f"add={delta} {dn} configs {fits}", TOL[dtype], check)
     for dtype in dtypes:
         tol = TOL[dtype]
         dn = str(dtype).removeprefix("torch.")
