@@ -13,7 +13,10 @@
 #              vs the default (launches counted). No engine needed.
 #   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16, alone and batched
 #              (the batched engine's CUDA graphs, padding rows included)
-#   train      train an EAGLE head for KEY into $HEAD (<= TRAIN_LIMIT s wall, caching included), with --eval
+#   eagle3-lossless  the same with a random EAGLE-3 head (its own LM head over 16k random ids, d2t): ar, eagle,
+#              frspec (= its own vocabulary), microspec, fp32 and bf16, alone and batched (~3 min on an H200)
+#   train      train an EAGLE head for KEY into $HEAD (the recipe in <= TRAIN_LIMIT s wall: distilling, caching and
+#              training), with --eval; its distilled answers are moved to $OUT/distilled_KEY
 #   bench      Spec-Bench + HumanEval: AR, EAGLE, FR-Spec, MicroSpec with $HEAD, and the outside references
 #   sampling   the same at temperature 0.7 (speculative sampling)
 #   sweep      in-flight batching: ar, eagle, microspec at concurrency LEVELS, and vLLM at the same levels
@@ -27,7 +30,18 @@
 #              conversations for every arm) and acceptance (eagle, default tree) on EVAL_Q questions of each
 #              Spec-Bench category + HumanEval -> $OUT/head_ab/head_ab.md. Arms: sharegpt (today's data),
 #              distilled, mixed (distilled + ShareGPT), sharegpt-pruned, mixed-pruned (--loss pruned),
-#              mixed-pruned-ttt2. ~17 min on an H200 with the default 3 arms.
+#              mixed-pruned-ttt2 and EAGLE-3 heads (issue 26): mixed-eagle3 (ttt 3), mixed-eagle3-ttt5.
+#              ~17 min on an H200 with the default 3 arms. EAGLE-3 vs EAGLE-2 at equal wall time:
+#              ARMS="mixed-pruned mixed-eagle3" bash benchmarks/gpu_reproduce.sh head-ab
+#   recipe     the one-command head (issue 28): `train-draft --engine KEY --time-limit RECIPE_LIMIT` (900 s: a third
+#              distilling, the rest caching + training on the answers + ShareGPT) into $OUT/recipe_KEY/head, then
+#              --eval (eagle + microspec, default GPU tree, RECIPE_EVAL_Q questions of each Spec-Bench category +
+#              HumanEval) -> $OUT/recipe_KEY/recipe.md (held-out top-1 at depths 1-5, acceptance, the stage lines).
+#              ~RECIPE_LIMIT + 1.5 min on an H200; bench it after with HEAD=$OUT/recipe_KEY/head
+#   smol-head  the shipped smollm2-135m head retrained by the same command (SMOL_LIMIT, 300 s) into
+#              $OUT/smol_head/head (config.json + model.safetensors: the format of trtllm_microspec/drafts/
+#              smollm2-135m), --eval on the GPU, then the new head beside the shipped one on the CPU in fp32 (the
+#              quickstart's tree, chat prompts of its kind) -> $OUT/smol_head/smol-head.md. ~7 min on an H200
 #   load       throughput under load (~5 min on an H200): the batched engine's step timeline at batch 64/128/256,
 #              then AR and vLLM on LOAD_LIMIT x 6 Spec-Bench first turns (240) at LOAD_LEVELS, batched runs only
 set -euo pipefail
@@ -52,6 +66,10 @@ ARMS=${ARMS:-sharegpt mixed mixed-pruned}
 EVAL_Q=${EVAL_Q:-2}          # head-ab: --eval questions per category
 AB_ROWS=${AB_ROWS:-1 4 16 32 60}  # kernels-ab: rows of each projection
 AB_ARGS=${AB_ARGS:-}         # head-ab: more train-draft arguments for every arm (e.g. --epochs 2)
+RECIPE_LIMIT=${RECIPE_LIMIT:-900}   # recipe: train-draft's --time-limit (distilling included; --eval after it)
+RECIPE_EVAL_Q=${RECIPE_EVAL_Q:-3}   # recipe, smol-head: --eval questions per category
+RECIPE_ARGS=${RECIPE_ARGS:-}        # recipe, smol-head: more train-draft arguments (e.g. --loss full)
+SMOL_LIMIT=${SMOL_LIMIT:-300}       # smol-head: --time-limit of smollm2-135m's head
 mkdir -p "$OUT"
 ms() { python3 -m trtllm_microspec.cli "$@"; }
 for stage in "$@"; do
@@ -82,9 +100,18 @@ EOF
           --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/lossless_$dt" 2>&1 | grep "mismatches"
         grep -A9 "in-flight batching" "$OUT/lossless_$dt/results.md" | tail -6
       done ;;
+    eagle3-lossless)
+      python3 -c "import sys; from trtllm_microspec.llm import resolve_engine; from trtllm_microspec.spec.eagle3 import random_head
+random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/random_eagle3"
+      for dt in float32 bfloat16; do
+        ms bench --engine "$KEY" --draft "$OUT/random_eagle3" --dtype $dt --methods ar,eagle,frspec,microspec --limit 1 \
+          --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/eagle3_lossless_$dt" 2>&1 | grep "mismatches"
+        grep -A9 "in-flight batching" "$OUT/eagle3_lossless_$dt/results.md" | tail -6
+      done ;;
     train)
       ms train-draft --engine "$KEY" --out "$HEAD" --time-limit "$TRAIN_LIMIT" --save-every 0 $TRAIN_ARGS \
-        2>&1 | tr '\r' '\n' | grep "\[train-draft\]\|^{\|rror" | tee "$OUT/train_$KEY.log" ;;
+        2>&1 | tr '\r' '\n' | grep "\[train-draft\]\|\[distill\]\|^{\|rror" | tee "$OUT/train_$KEY.log"
+      rm -rf "$OUT/distilled_$KEY"; mv "$HEAD/distilled" "$OUT/distilled_$KEY" 2>/dev/null || true ;;
     bench)
       ms bench --engine "$KEY" --draft "$HEAD" --methods "$METHODS,$REFS" --limit "$LIMIT" \
         --max-new-tokens "$TOKENS" --warmup 2 --out "$OUT/bench_$KEY" | grep "tok/s" ;;
@@ -111,12 +138,14 @@ EOF
       fi
       for arm in $ARMS; do
         case $arm in
-          sharegpt) args="--heldout-data $DIST" ;;
-          sharegpt-pruned) args="--heldout-data $DIST --loss pruned" ;;
-          distilled) args="--data $DIST" ;;
-          mixed) args="--data $DIST --mix-sharegpt" ;;
+          sharegpt) args="--heldout-data $DIST --distill-time 0 --loss full" ;;
+          sharegpt-pruned) args="--heldout-data $DIST --distill-time 0 --loss pruned" ;;
+          distilled) args="--data $DIST --loss full" ;;
+          mixed) args="--data $DIST --mix-sharegpt --loss full" ;;
           mixed-pruned) args="--data $DIST --mix-sharegpt --loss pruned" ;;
           mixed-pruned-ttt2) args="--data $DIST --mix-sharegpt --loss pruned --ttt-steps 2" ;;
+          mixed-eagle3) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3" ;;   # issue 26 (ttt 3)
+          mixed-eagle3-ttt5) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3 --ttt-steps 5" ;;
           *) echo "unknown head-ab arm $arm"; exit 2 ;;
         esac
         ms train-draft --engine "$KEY" --out "$AB/$arm" --time-limit "$ARM_LIMIT" --save-every 0 --eval \
@@ -131,20 +160,96 @@ ab, arms = Path(sys.argv[1]), sys.argv[2:]
 m = json.loads((ab / "distilled" / "manifest.json").read_text())
 print(f"distilled: {m['conversations']} conversations, {m['answers']} answers, {m['answer_tokens']:,} answer "
       f"tokens ({m['tokens']:,} in all), settings {json.dumps(m['settings'])}\n")
-print("| arm | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
+print("| arm | head | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
       "| wall s |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for arm in arms:
     f = ab / f"{arm}.json"
     if not f.exists() or not f.read_text().strip():
-        print(f"| {arm} | failed: see {arm}.log | | | | | | | | |")
+        print(f"| {arm} | failed: see {arm}.log | | | | | | | | | |")
         continue
     r = json.loads(f.read_text())
     acc = " / ".join(f"{a:.3f}" for a in r["heldout_acc"])
-    print(f"| {arm} | {r['data']} | {r['loss']} | {r['ttt_steps']} | {r['train_tokens']:,} | {r['epochs']} | "
+    print(f"| {arm} | {r.get('arch', 'eagle2')} | {r['data']} | {r['loss']} | {r['ttt_steps']} | {r['train_tokens']:,} | {r['epochs']} | "
           f"{r['train_tok_per_s']:,} | {acc} | {r.get('acceptance', {}).get('eagle', '-')} | {r['wall_s']:.0f} |")
 EOF
       ;;
+    recipe|smol-head)
+      if [ "$stage" = recipe ]; then key=$KEY; limit=$RECIPE_LIMIT; R="$OUT/recipe_$KEY"
+      else key=smollm2-135m; limit=$SMOL_LIMIT; R="$OUT/smol_head"; fi
+      rm -rf "$R"; mkdir -p "$R"   # a fresh run: an existing <out>/distilled would be continued, not remade
+      ms train-draft --engine "$key" --out "$R/head" --time-limit "$limit" --save-every 0 --eval \
+        --eval-questions "$RECIPE_EVAL_Q" $RECIPE_ARGS 2>&1 | tr '\r' '\n' \
+        | grep --line-buffered "\[train-draft\]\|\[distill\]\|^{\|rror" | tee "$R/train.log" || true
+      grep "^{" "$R/train.log" | tail -1 > "$R/result.json" || true
+      if [ -d "$R/head/distilled" ]; then mv "$R/head/distilled" "$R/distilled"; fi   # the head dir: the shipped format
+      python3 - "$R" "$key" "$limit" "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" <<'EOF' \
+        | tee "$R/$stage.md"
+import json, sys
+from pathlib import Path
+r_dir, key, limit, commit = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+text = (r_dir / "result.json").read_text().strip()
+if not text:
+    sys.exit(f"train-draft failed: see {r_dir / 'train.log'}")
+r = json.loads(text)
+d = r.get("distill", {})
+print(f"`microspec train-draft --engine {key} --out HEAD --time-limit {limit} --save-every 0 --eval` at {commit}\n")
+print("| target | wall to the head | distilled | train tokens (rows) | epochs | steps | train tok/s | "
+      "held-out top-1 d1..d5 | acceptance eagle / microspec | wall with --eval |")
+print("|---|---:|---|---|---:|---:|---:|---|---|---:|")
+dist = (f"{d['run']['conversations']:,} conv, {d['run']['answer_tokens']:,} answer tok in {d['wall_s']:.0f} s"
+        if d else "-")
+acc = r.get("acceptance", {})
+print(f"| {key} | {d.get('wall_s', 0) + r['train_s']:.0f} s | {dist} | {r['train_tokens']:,} ({r['rows']}) | "
+      f"{r['epochs']} | {r['steps']} | {r['train_tok_per_s']:,} | {' / '.join(f'{a:.3f}' for a in r['heldout_acc'])} "
+      f"| {acc.get('eagle', '-')} / {acc.get('microspec', '-')} | {r['wall_s']:.0f} s |")
+print("\nstage lines:\n")
+for line in (r_dir / "train.log").read_text().splitlines():
+    if line.startswith(("[train-draft]", "[distill]")) and "%|" not in line:
+        print("    " + line)
+EOF
+      if [ "$stage" = smol-head ]; then
+        python3 - "$R/head" <<'EOF' | tee -a "$R/$stage.md"
+# the new head beside the shipped one: the same files and tensors (the shipped format), and the acceptance on the
+# CPU in fp32 with the CPU's tree (what the quickstart runs), greedy, chat prompts of the quickstart's kind
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+import trtllm_microspec
+from trtllm_microspec.llm import LLM, resolve_engine
+new = Path(sys.argv[1])
+old = Path(trtllm_microspec.__file__).parent / "drafts" / "smollm2-135m"
+a, b = load_file(old / "model.safetensors"), load_file(new / "model.safetensors")
+same = {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
+ca, cb = json.loads((old / "config.json").read_text()), json.loads((new / "config.json").read_text())
+print(f"\nshipped format: files {sorted(p.name for p in new.iterdir())}, tensors equal in name/shape/dtype: {same}, "
+      f"config keys differing: {sorted(k for k in ca.keys() | cb.keys() if ca.get(k) != cb.get(k))}, "
+      f"size {(new / 'model.safetensors').stat().st_size:,} B (shipped {(old / 'model.safetensors').stat().st_size:,})")
+prompts = ["Explain in a few sentences why the sky is blue.", "Write a Python function that reverses a string.",
+           "What are three tips for learning a new language?", "Write a short poem about the sea.",
+           "How does a hash table work?", "Summarize the plot of Romeo and Juliet in three sentences."]
+torch.set_num_threads(min(8, torch.get_num_threads()))
+engine = resolve_engine("smollm2-135m")
+ar = LLM(engine, "ar", device="cpu", dtype="float32")
+want = [ar.generate(p, 128, chat=True).token_ids for p in prompts]
+print("\n| head (CPU, fp32, depth 3 / top-k 4 / 12 tokens) | acceptance microspec | acceptance eagle | identical to AR |")
+print("|---|---:|---:|---|")
+for name, d in (("shipped", old), ("new", new)):
+    acc, same_out = {}, True
+    for method in ("microspec", "eagle"):
+        llm = LLM(engine, method, draft=d, device="cpu", dtype="float32")
+        rounds = tokens = 0
+        for p, w in zip(prompts, want):
+            res = llm.generate(p, 128, chat=True)
+            rounds, tokens = rounds + res.stats["rounds"], tokens + res.stats["round_tokens"]
+            same_out = same_out and res.token_ids == w
+        acc[method] = tokens / max(rounds, 1)
+    print(f"| {name} | {acc['microspec']:.2f} | {acc['eagle']:.2f} | {same_out} |")
+print(f"\nto ship it: cp {new}/config.json {new}/model.safetensors trtllm_microspec/drafts/smollm2-135m/ and rebuild "
+      "the cached engine's copy (microspec build smollm2-135m --force)")
+EOF
+      fi ;;
     load)
       ms profile --engine "$KEY" --timeline --batch 64,128,256 --context 512 --new-tokens 128 \
         --out "$OUT/timeline_$KEY.md" 2>&1 | grep -E "^timeline:|rror"

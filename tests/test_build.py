@@ -168,7 +168,8 @@ def eagle_checkpoint(engine_dir, out, hidden_size=None):
 
 def test_build_draft_from_eagle_checkpoint(engine_dir, tmp_path):
     want = eagle_checkpoint(engine_dir, tmp_path / "ck")
-    out = build_draft(tmp_path / "ck", engine_dir, tmp_path / "draft")
+    out, what = build_draft(tmp_path / "ck", engine_dir, tmp_path / "draft")
+    assert what == "EAGLE-1/2 head"
     got = load_file(out / "model.safetensors")
     assert got.keys() == want.keys()  # input_layernorm and embed_tokens dropped
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -90,9 +90,20 @@ def test_resume_skips_what_is_done_and_refuses_other_settings(engine_dir, convs,
 
 
 def test_time_limit_keeps_what_finished(engine_dir, convs, tmp_path):
-    r = distill(engine_dir, tmp_path, turns=1, max_tokens=TOKENS, device="cpu", data=convs, time_limit=1e-6)
-    assert r["stopped"] and (tmp_path / MANIFEST).exists()
-    assert json.loads((tmp_path / MANIFEST).read_text())["conversations"] == r["conversations"]
+    """A stop after the first step keeps each answer in flight as far as it got (a prefix of the target's own
+    answer, at least its first token), leaves the ones with nothing answered to a later run, which finishes them."""
+    r = distill(engine_dir, tmp_path, turns=1, max_tokens=TOKENS, device="cpu", data=convs[:4], time_limit=1e-6)
+    m = json.loads((tmp_path / MANIFEST).read_text())
+    assert r["stopped"] and m["conversations"] == r["conversations"] == r["run"]["cut_short"] >= 1
+    llm = LLM(engine_dir, "ar", device="cpu", max_batch=4)
+    firsts = [c[0]["content"] for c in convs[:4]]
+    want = [res.token_ids for res in llm.generate(firsts, TOKENS, chat=True)]
+    seqs, _ = load_distilled(tmp_path, engine_dir)
+    for c, ids, mask in seqs:
+        (got,) = answers(ids, mask)
+        assert 1 <= len(got) < TOKENS and got == want[c][:len(got)]
+    rest = distill(engine_dir, tmp_path, turns=1, max_tokens=TOKENS, device="cpu", data=convs[:4])
+    assert rest["run"]["conversations"] == 4 - r["conversations"] and rest["conversations"] == 4
 
 
 def test_bad_data_dirs(engine_dir, shards, tmp_path):
@@ -196,3 +207,87 @@ def test_one_command_distills_then_trains(engine_dir, tmp_path, capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["distill"]["run"]["conversations"] + r["distill"]["run"]["skipped"] == 4
     assert r["data"] == "distilled" and r["steps"] == 1 and (tmp_path / "distilled" / MANIFEST).exists()
+
+
+def test_distill_releases_its_engine(engine_dir, convs, tmp_path):
+    """train-draft caches features where distill's engine was: nothing of it (its KV pool) may stay alive."""
+    import gc
+
+    distill(engine_dir, tmp_path, turns=1, max_tokens=2, device="cpu", data=convs[:1])
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is LLM]
+
+
+def test_time_limit_alone_is_the_recipe(engine_dir, tmp_path, capsys):
+    """train-draft --time-limit with no --data distills for a third of it, then trains on the answers mixed with
+    ShareGPT; --distill-time 0 trains on ShareGPT alone; a negative one is refused in one line."""
+    common = ["--engine", str(engine_dir), "--conversations", "4", "--distill-turns", "1", "--distill-max-tokens",
+              "4", "--distill-max-prompt", "200", "--max-len", "256", "--steps", "1", "--batch-tokens", "256",
+              "--heldout", "0.25", "--device", "cpu", "--save-every", "0", "--time-limit", "900"]
+    main(["train-draft", "--out", str(tmp_path / "a"), *common])
+    out, err = capsys.readouterr()
+    r = json.loads(out.strip().splitlines()[-1])
+    assert "the recipe: distill 300 s" in err and r["data"] == "distilled + ShareGPT" and r["steps"] == 1
+    assert r["distill"]["run"]["conversations"] + r["distill"]["run"]["skipped"] == 4
+    assert (tmp_path / "a" / "distilled" / MANIFEST).exists()
+    main(["train-draft", "--out", str(tmp_path / "b"), *common, "--distill-time", "0"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["data"] == "ShareGPT" and "distill" not in r and not (tmp_path / "b" / "distilled").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["train-draft", "--out", str(tmp_path / "c"), *common, "--distill-time", "-1"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == "microspec: error: --distill-time must be at " \
+        "least 0, got -1.0"
+
+
+def _interpreted(code: list[str], timeout: int = 900):
+    """Runs `python -m ...` args under Triton's interpreter (set before triton is imported: a subprocess)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, *code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fused_soft_ce_equals_the_plain_one():
+    """The Triton kernel of --loss fused against plain torch: loss, input gradient, agreeing rows; fp32 and bf16,
+    one block, several, a vocabulary that is no block multiple, several chunks of rows."""
+    pytest.importorskip("triton")
+    r = _interpreted(["-m", "trtllm_microspec.train.fused_ce", "--device", "cpu"])
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[-1] == "all passed", r.stdout + r.stderr[-2000:]
+    assert sum(l.startswith("PASS") for l in lines) == 6 and any("bfloat16" in l for l in lines)
+
+
+TRAIN_FUSED = """
+import json, sys
+from plugins.check_layers import fix_interpreter
+fix_interpreter()
+from trtllm_microspec.data import sharegpt_conversations
+from trtllm_microspec.train.train_draft import train
+convs = [[{**m, "content": m["content"][:100]} for m in c[:2]] for c in sharegpt_conversations(4)]
+kw = dict(max_len=160, steps=2, lr=1e-3, batch_tokens=160, seed=3, device="cpu", save_every=0, heldout=0.25)
+print(json.dumps({loss: train(sys.argv[1], sys.argv[2] + "/" + loss, data=convs, loss=loss, **kw)
+                  for loss in ("full", "fused")}))
+"""
+
+
+def test_loss_fused_trains_as_full(engine_dir, tmp_path):
+    """train-draft --loss fused is --loss full's loss: the same seed gives the same held-out loss and accuracy."""
+    pytest.importorskip("triton")
+    r = _interpreted(["-c", TRAIN_FUSED, str(engine_dir), str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(r.stdout.strip().splitlines()[-1])
+    full, fused = runs["full"], runs["fused"]
+    assert fused["loss"] == "fused" and abs(fused["heldout_loss"] - fused["heldout_loss_start"]) > 0.1  # it trained
+    assert fused["heldout_loss"] == pytest.approx(full["heldout_loss"], rel=1e-4)
+    assert fused["heldout_acc"] == full["heldout_acc"]
+
+
+def test_loss_fused_needs_cuda(engine_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "4",
+              "--device", "cpu", "--steps", "1", "--loss", "fused"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("microspec: error: --loss fused runs a Triton kernel")

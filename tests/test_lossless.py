@@ -72,6 +72,12 @@ class SelfDraft:
     def __call__(self, tokens, features, positions, slots, span):
         return self.model(tokens, positions, slots, span)
 
+    def features(self, h):  # the rest of a draft head's interface (spec/eagle.py): the target's hidden as it is
+        return h
+
+    def head_in(self, h):
+        return h
+
 
 def check(llm, method, knobs, case, got, want):
     assert got.token_ids == want.token_ids, f"{method} {knobs} differs from AR on {case}"

@@ -127,11 +127,14 @@ def test_time_limit_plans_the_data(engine_dir, convs, tmp_path, monkeypatch, cap
     conversations, in the seeded order), and every step that fits."""
     monkeypatch.setattr(train_draft, "perf_counter", lambda: 0.0)  # no time passes: the plan is the rates'
     monkeypatch.setattr(train_draft, "train_rate", lambda *a: 200.0)
-    def cache_held(target, packs):  # cache them, at a rate of 100 tokens/s
-        target_features(target, packs, "held-out")
+    timed = []
+
+    def cache_timed(target, packs, desc):  # cache them, at a rate of 100 tokens/s
+        timed.append((desc, [p.tokens.tolist() for p in packs]))
+        target_features(target, packs, desc)
         return 100.0
 
-    monkeypatch.setattr(train_draft, "_cache_held", cache_held)
+    monkeypatch.setattr(train_draft, "_cache_timed", cache_timed)
     rows = pack(tokenize(Tokenizer(engine_dir), convs[:-2], ROW, "rows"), ROW, CPU)
     rows = train_draft._shuffled(rows, KW["seed"] + 1)  # the order train() caches ShareGPT's rows in
     # t tokens cost t / 100 + 2 * t / 200 s with 2 epochs: 4 s hold 200 tokens, one row of the ~160-token rows
@@ -140,6 +143,29 @@ def test_time_limit_plans_the_data(engine_dir, convs, tmp_path, monkeypatch, cap
     r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": None, "epochs": 2.0}, time_limit=4)
     assert r["rows"] == want and r["train_tokens"] == sum(p.real for p in rows[:want])
     assert f"{want} of {len(rows)} rows" in capsys.readouterr().err
+    # the rates are timed on the first training rows of the caching order, not on the held-out rows
+    assert [d for d, _ in timed] == ["held-out", "probe"]
+    assert timed[1][1] == [p.tokens.tolist() for p in rows[:train_draft.PROBE_ROWS + 1]]
+
+
+def test_time_limit_refits_the_schedule(engine_dir, convs, tmp_path, monkeypatch):
+    """Steps of 3 s for the first 3, then 1 s: the first fit (3 s a step) plans 6 steps; the schedule is re-fitted
+    to the step time measured so far every 2 steps, so the run takes the steps the faster ones leave room for and
+    its cosine ends at the limit (start 1 s, limit 20 s: 13 steps, the 13th ending at 20 s)."""
+    clock = {"t": 1.0, "steps": 0}
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def clip(*args, **kw):
+        clock["steps"] += 1
+        clock["t"] += 3 if clock["steps"] <= 3 else 1
+        return real_clip(*args, **kw)
+
+    monkeypatch.setattr(train_draft, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    monkeypatch.setattr(train_draft, "PROBE_STEPS", 2)
+    r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": 10_000, "save_every": 0, "ttt_steps": 1},
+              time_limit=20)
+    assert (r["steps"], r["planned_steps"]) == (13, 13) and clock["t"] <= 21
 
 
 def test_resume_matches_uninterrupted_run(engine_dir, convs, trained, tmp_path, monkeypatch):

@@ -146,7 +146,8 @@ def cmd_build_draft(a) -> None:
     from .llm import resolve_engine
     from .spec.eagle import build_draft
 
-    print(build_draft(a.checkpoint, resolve_engine(a.engine), a.out))
+    out, what = build_draft(a.checkpoint, resolve_engine(a.engine), a.out)
+    print(f"loaded {what} -> {out}")
 
 
 JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", type(None): "null", list: "an array",
@@ -277,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="rebuild an engine that is already there (e.g. a damaged one)")
     b.set_defaults(func=cmd_build)
 
-    bd = sub.add_parser("build-draft", help="official EAGLE-1/2 checkpoint -> draft dir tied to an engine")
+    bd = sub.add_parser("build-draft", help="an EAGLE checkpoint (EAGLE-1/2; EAGLE-3 of SafeAILab, SpecForge, "
+                        "speculators/vLLM) -> draft dir tied to an engine")
     bd.add_argument("--checkpoint", required=True)
     bd.add_argument("--engine", required=True)
     bd.add_argument("--out", required=True)

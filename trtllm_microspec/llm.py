@@ -137,9 +137,11 @@ class LLM:
                 raise
             except Exception as e:  # its files cut short or of another shape
                 raise UserError(f"draft {draft_dir} is damaged ({one_line(e)}): rebuild or retrain it") from None
-            head = self.target.head_weight if parallel.world() == 1 else self.target.full_head
-            vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max,
-                               ranked_ids=self._ranked_ids() if method != "eagle" else None, static_k=static_k)
+            head, head_ids = draft_model.vocab_rows()  # EAGLE-3: its own LM head and the target id of each row
+            ranked = self._ranked_ids() if method != "eagle" and not (method == "frspec" and head_ids is not None) \
+                else None
+            vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max, ranked_ids=ranked,
+                               static_k=static_k, head_ids=head_ids, vocab_size=self.target.cfg.vocab_size)
         self.executor = Executor(self.target, draft_model, vocab, tree, k_pre=k_pre, k_ver=k_ver,
                                  cuda_graphs=cuda_graphs and self.device.type == "cuda")
         if self.executor.max_prompt < 1:

@@ -224,6 +224,30 @@ def eagle_to_vllm(draft_dir: Path, engine_dir: Path, out: Path) -> Path:
     return out
 
 
+def eagle3_to_vllm(draft_dir: Path, out: Path) -> Path:
+    """Our EAGLE-3 head -> SafeAILab's layout, which vLLM loads with method "eagle3" (its llama_eagle3.py:
+    `midlayer.` read as layers.0, d2t as its draft-to-target map, the three target layers from
+    `eagle_aux_hidden_state_layer_ids`, the target's embedding when the head has none)."""
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((draft_dir / "config.json").read_text())
+    sd = {k.replace("layers.0.", "midlayer.", 1): v for k, v in load_file(draft_dir / "model.safetensors").items()}
+    V = raw["vocab_size"]
+    sd["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, torch.arange(sd["d2t"].numel()) + sd["d2t"], True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": raw["hidden_size"],
+           "intermediate_size": raw["intermediate_size"], "num_attention_heads": raw["num_heads"],
+           "num_key_value_heads": raw["num_kv_heads"], "head_dim": raw["head_dim"], "num_hidden_layers": 1,
+           "rms_norm_eps": raw["rms_norm_eps"], "rope_theta": raw["rope_theta"], "hidden_act": "silu",
+           "max_position_embeddings": raw["max_seq_len"], "vocab_size": V,
+           "draft_vocab_size": raw["draft_vocab_size"], "target_hidden_size": raw["target_hidden_size"],
+           "eagle_aux_hidden_state_layer_ids": raw["taps"], "norm_before_residual": raw["norm_before_residual"],
+           "tie_word_embeddings": False, "attention_bias": False, "dtype": raw["dtype"], "torch_dtype": raw["dtype"]}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 class VLLMReference:
     """vLLM's offline LLM, greedy, on the same chat-templated token ids: one request at a time (batch 1), a list of
     prompts all at once, or at most c in flight through its engine loop (bench --concurrency, `generate_at`); with
@@ -249,8 +273,12 @@ class VLLMReference:
         self.tmp = tempfile.TemporaryDirectory(prefix="microspec-vllm-")
         kw = {"model": str(engine_to_hf(d, Path(self.tmp.name) / "model"))}
         if eagle:
-            head = eagle_to_vllm(Path(draft) if draft else d / "eagle", d, Path(self.tmp.name) / "eagle")
-            kw["speculative_config"] = {"method": "eagle", "model": str(head), "num_speculative_tokens": depth}
+            src = Path(draft) if draft else d / "eagle"
+            if json.loads((src / "config.json").read_text()).get("eagle") == 3:  # an EAGLE-3 head: vLLM's eagle3
+                method, head = "eagle3", eagle3_to_vllm(src, Path(self.tmp.name) / "eagle3")
+            else:
+                method, head = "eagle", eagle_to_vllm(src, d, Path(self.tmp.name) / "eagle")
+            kw["speculative_config"] = {"method": method, "model": str(head), "num_speculative_tokens": depth}
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
         from vllm import LLM, SamplingParams

@@ -88,7 +88,7 @@ class Executor:
         # persistent device state, updated in place by the phases
         self.n = torch.zeros((), dtype=torch.long, device=dev)
         self.root = torch.zeros(1, dtype=torch.long, device=dev)
-        self.h_last = torch.zeros(target.cfg.hidden_size, dtype=target.cache.k.dtype, device=dev)
+        self.h_last = torch.zeros((draft or target).cfg.hidden_size, dtype=target.cache.k.dtype, device=dev)
         self.counters = torch.zeros(3, dtype=torch.long, device=dev)  # vocab size sum, vocab size max, covered
         self.steps = torch.arange(tree.max_path, device=dev)
         # what the host reads after a round: [k, emitted...]; persistent, since the round's other tensors
@@ -193,7 +193,7 @@ class Executor:
             L = ids.numel()
             pos = torch.arange(L, device=dev)
             zero = torch.zeros((), dtype=torch.long, device=dev)
-            dh = d(torch.cat([ids[1:], self.root]), h, pos, pos, Span(zero, causal(L, dev), L))
+            dh = d(torch.cat([ids[1:], self.root]), d.features(h), pos, pos, Span(zero, causal(L, dev), L))
             self.h_last.copy_(dh[-1])
             vocab.join()
 
@@ -206,7 +206,7 @@ class Executor:
             # greedy: the argmax of every node; sampling: one draw per node, which is EAGLE's recursive rejection
             self.path, self.k, self.emitted = accept(self.drafted, self.choose(logits, self.drafted.depth), P)
             self.out.copy_(torch.cat([self.k.view(1), self.emitted]))
-            self.hid_path = hid[self.path]
+            self.hid_path = d.features(hid)[self.path]
             ver = t.topk(logits[self.path], self.k_ver)
             self.ver = torch.where((self.steps <= self.k)[:, None], ver, -1).flatten()
             t.cache.move(self.n + self.path, self.n + self.steps)

@@ -259,8 +259,8 @@ class BatchRunner:
 
 
 class SpecRunner(BatchRunner):
-    """Batched EAGLE-2 rounds (eagle, frspec, microspec): every request drafts its own tree through its own
-    draft vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. The
+    """Batched EAGLE-2 rounds (eagle, frspec, microspec) with an EAGLE-1/2 or EAGLE-3 head (the same calls:
+    draft.hidden / features / head_in): every request drafts its own tree through its own draft vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. The
     single-request vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec
     window (ring, counts, active ids, packed head rows) per batch slot, reset when a request joins. A round is
     one device step with no host read but the one of its results, captured in a CUDA graph per (rows bucket,
@@ -282,7 +282,7 @@ class SpecRunner(BatchRunner):
         dev = self.device
         self.dcache = KVCache(draft.cfg, 1, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
         self.vocab = batch_vocab(vocab, max_batch + 1)  # the padding slot too: padding rows read it
-        self.h_last = torch.zeros(max_batch + 1, target.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
+        self.h_last = torch.zeros(max_batch + 1, draft.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
         self.steps = torch.arange(tree.max_path, device=dev)
         self.topk_pre: dict[int, list[torch.Tensor]] = {}  # batch slot -> its prompt chunks' top-K_pre so far
         # what the host reads after a round, per row: accepted k, vocabulary size, covered, emitted tokens
@@ -312,8 +312,9 @@ class SpecRunner(BatchRunner):
             self.vocab.start(req.slot, prompt, torch.cat(self.topk_pre.pop(req.slot)))  # nothing of others
             self.vocab.join()  # before the next window's gather: one in flight at a time
         B, T = ids.shape
-        dh = self.draft.hidden(nxt.flatten(), h.flatten(0, 1), self.positions(slots), slots.flatten(), span,
-                               cache=self.dcache).view(B, T, -1)
+        # the draft's input feature: the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
+        dh = self.draft.hidden(nxt.flatten(), self.draft.features(h).flatten(0, 1), self.positions(slots),
+                               slots.flatten(), span, cache=self.dcache).view(B, T, -1)
         for b, row, req in ends:
             self.h_last[req.slot] = dh[b, row]
         return out
@@ -352,7 +353,7 @@ class SpecRunner(BatchRunner):
         temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
 
         def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
-            return vocab.head(tempered(h, temperature), slots, top, k)
+            return vocab.head(tempered(d.head_in(h), temperature), slots, top, k)
 
         tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
         hid, logits = verify(t, self.cache, tree, n, table, S)
@@ -370,7 +371,8 @@ class SpecRunner(BatchRunner):
         # the gathers run on the copy stream, behind the draft forward
         vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), torch.where(real, ver, -1))
         pos = (n[:, None] + steps).flatten()
-        hid_path = hid.gather(1, path[:, :, None].expand(Bb, P, hid.shape[-1])).flatten(0, 1)
+        feat = d.features(hid)  # [Bb, N, d] the target's hidden (EAGLE-2) or [Bb, N, 3 d] its layers (EAGLE-3)
+        hid_path = feat.gather(1, path[:, :, None].expand(Bb, P, feat.shape[-1])).flatten(0, 1)
         h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal(P, dev).expand(Bb, P, P), S, table),
                      cache=self.dcache).view(Bb, P, -1)
         self.h_last[slots] = h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]

@@ -125,13 +125,14 @@ def fuse_parts(owner: nn.Module, name: str) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, reduce: bool = False):
+    def __init__(self, cfg: ModelConfig, reduce: bool = False, in_features: int | None = None):
+        """in_features: the width q|k|v read (EAGLE-3's draft layer reads [embedding ; hidden], 2 x hidden)."""
         super().__init__()
         self.reduce = reduce  # tensor parallel: cfg holds this rank's heads, o_proj its input columns
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.h, self.kv, self.d, self.eps = h, kv, d, cfg.rms_norm_eps
-        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d},
-                                    bias=cfg.attention_bias)
+        self.qkv_proj = FusedLinear(in_features or cfg.hidden_size,
+                                    {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d}, bias=cfg.attention_bias)
         fuse_parts(self, "qkv_proj")
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
@@ -248,6 +249,10 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, vocab_end - self.vocab_start, bias=False)
         self.cache: KVCache | None = None
         self.full_head: torch.Tensor | None = None  # TP: all V head rows, for the draft vocabulary (loader)
+        # EAGLE-3: the layers whose input residual stream every forward also keeps, concatenated in layer order
+        # into `tapped` [rows, len(taps) x d] (index num_layers: the last layer's output, before the final norm)
+        self.taps: tuple[int, ...] = ()
+        self.tapped: torch.Tensor | None = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -281,13 +286,28 @@ class Transformer(nn.Module):
         slots = span.physical(slots)
         cache.write_pos(slots, positions)
         res, delta, delta_norm = self.embed(tokens), None, None
+        taps = []
         for i, layer in enumerate(self.layers):
+            if i in self.taps:
+                taps.append(self._stream(res, delta, delta_norm))
             sliding = c.is_sliding(i)
             rope, window = (self.rope_local, c.sliding_window) if sliding else (self.rope_global, 0)
             attn_args = (rope, positions, slots, span, cache.pos, window, cache.k[i], cache.v[i])
             res, delta = layer(res, delta, delta_norm, attn_args)
             delta_norm = layer.out_norm
+        if self.taps:
+            if c.num_layers in self.taps:
+                taps.append(self._stream(res, delta, delta_norm))
+            self.tapped = torch.cat(taps, -1)
         return layers.add_rms_norm(res, delta, self.norm.weight, self.norm.eps, self.norm.offset, delta_norm)[1]
+
+    def _stream(self, res, delta, delta_norm) -> torch.Tensor:
+        """The residual stream res + delta that the next layer reads (delta normed first on Gemma)."""
+        if delta is None:
+            return res
+        if delta_norm is not None:
+            delta = layers.rms_norm(delta, delta_norm, self.norm.eps, self.norm.offset)
+        return res + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, V]; under TP this rank's vocabulary slice [T, V / tp]: reduce it with `argmax` / `topk`."""

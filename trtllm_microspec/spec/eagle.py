@@ -1,4 +1,5 @@
-"""EAGLE-1/2 draft head: fc(concat(token embedding, target feature)) -> one decoder layer (input norm skipped).
+"""EAGLE-1/2 draft head: fc(concat(token embedding, target feature)) -> one decoder layer (input norm skipped);
+the loaders of draft directories and of the EAGLE checkpoints users bring (EAGLE-3: spec/eagle3.py).
 
 It owns no embedding and no LM head: it borrows the target's (the LM head goes through a draft vocabulary).
 Draft engine directory: config.json (a ModelConfig of the single layer, plus `bias` and `target`) and
@@ -20,6 +21,8 @@ from ..models.registry import UserError
 
 
 class EagleDraft(nn.Module):
+    version = 2  # EAGLE-1/2 (spec/eagle3.py: EAGLE-3, with the same interface)
+
     def __init__(self, cfg: ModelConfig, bias: bool):
         super().__init__()
         self.cfg, self.bias = cfg, bias
@@ -47,6 +50,19 @@ class EagleDraft(nn.Module):
     def forward(self, tokens, features, positions, slots, span: Span) -> torch.Tensor:
         return self.hidden(tokens, features, positions, slots, span)
 
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's final-normed hidden h -> the draft's input feature there: h itself."""
+        return h
+
+    def head_in(self, h: torch.Tensor) -> torch.Tensor:
+        """The draft hidden -> the LM head's input: the hidden itself (it predicts the target's normed feature)."""
+        return h
+
+    def vocab_rows(self) -> tuple[torch.Tensor, None]:
+        """The LM head's rows (the target's, all of them under TP) and their ids (None: row i is id i)."""
+        t = self.target[0]
+        return (t.head_weight if t.full_head is None else t.full_head), None
+
 
 def draft_config(target: ModelConfig) -> ModelConfig:
     """The single draft layer has the target's shapes and a plain (non-sliding) attention."""
@@ -68,12 +84,17 @@ def _target_record(engine: Path) -> dict:
     return {"arch": c.arch, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
 
 
-def load_draft(draft_dir: str | Path, target: Transformer, dtype, device) -> EagleDraft:
+def load_draft(draft_dir: str | Path, target: Transformer, dtype, device):
+    """A draft directory -> EagleDraft (EAGLE-1/2) or Eagle3Draft, set up on the target."""
+    from .eagle3 import load_draft3
+
     d = Path(draft_dir)
     if not (d / "config.json").exists() or not (d / "model.safetensors").exists():
         raise UserError(f"{d} is not a draft directory (needs config.json and model.safetensors); "
                         f"build one with `microspec build-draft`")
     raw = json.loads((d / "config.json").read_text())
+    if raw.get("eagle") == 3:
+        return load_draft3(raw, load_file(d / "model.safetensors"), target).setup(target, dtype, device).eval()
     t = target.cfg
     want = raw.get("target", {})
     if raw.get("hidden_size") != t.hidden_size or want.get("vocab_size", t.vocab_size) != t.vocab_size:
@@ -86,15 +107,22 @@ def load_draft(draft_dir: str | Path, target: Transformer, dtype, device) -> Eag
     return model.setup(target, dtype, device).eval()
 
 
-def build_draft(checkpoint: str | Path, target_engine: str | Path, out_dir: str | Path) -> Path:
-    """Official EAGLE-1/2 checkpoint (config.json + pytorch_model.bin / model.safetensors) -> draft directory."""
+def build_draft(checkpoint: str | Path, target_engine: str | Path, out_dir: str | Path) -> tuple[Path, str]:
+    """An EAGLE checkpoint (config.json + model.safetensors / pytorch_model.bin) -> draft directory. Detects
+    EAGLE-1/2 (fc over [embedding ; feature]) and EAGLE-3 in SafeAILab's, SpecForge's and speculators' (vLLM)
+    layouts. Returns the directory and what was loaded."""
+    from .eagle3 import convert, is_eagle3, layout_of, read_target_embed, save_draft3
+
     ck, target_engine = Path(checkpoint), Path(target_engine)
     tcfg = ModelConfig.load(target_engine / "config.json") if (target_engine / "config.json").exists() else None
     if tcfg is None:
         raise UserError(f"{target_engine} is not an engine directory")
     if not (ck / "config.json").exists():
         raise UserError(f"{ck} has no config.json")
-    hf = json.loads((ck / "config.json").read_text())
+    try:
+        hf = json.loads((ck / "config.json").read_text())
+    except ValueError as e:
+        raise UserError(f"{ck / 'config.json'} is not JSON ({e})") from None
     files = [ck / "model.safetensors", ck / "pytorch_model.bin"]
     wfile = next((f for f in files if f.exists()), None)
     if wfile is None:
@@ -104,6 +132,15 @@ def build_draft(checkpoint: str | Path, target_engine: str | Path, out_dir: str 
                                                                                 weights_only=True)
     except Exception as e:
         raise UserError(f"cannot read {wfile}: {str(e).splitlines()[0]}")
+    if is_eagle3(hf, sd):
+        layout = layout_of(hf)
+        try:
+            model = convert(hf, sd, tcfg, read_target_embed(target_engine), layout)
+        except (RuntimeError, KeyError, TypeError, ValueError) as e:  # a tensor of another shape, a key missing
+            raise UserError(f"{layout} checkpoint {ck} does not fit: {' '.join(str(e).split())[:200]}") from None
+        save_draft3(model, Path(out_dir), _target_record(target_engine), layout)
+        return Path(out_dir), f"{layout} head (draft vocabulary {model.lm_head.out_features}, target layers " \
+                              f"{model.taps})"
     sd = {k.removeprefix("model."): v for k, v in sd.items() if k.startswith(("fc.", "layers.0.", "model.fc.",
                                                                            "model.layers.0."))}
     if hf.get("hidden_size") != tcfg.hidden_size or hf.get("vocab_size", tcfg.vocab_size) != tcfg.vocab_size:
@@ -111,8 +148,11 @@ def build_draft(checkpoint: str | Path, target_engine: str | Path, out_dir: str 
                         f"{hf.get('vocab_size')}; the target has {tcfg.hidden_size} / {tcfg.vocab_size}")
     cfg = draft_config(tcfg)
     model = EagleDraft(cfg, bias="fc.bias" in sd)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:
+        raise UserError(f"EAGLE checkpoint {ck} does not fit: {' '.join(str(e).split())[:200]}") from None
     if missing:
         raise UserError(f"EAGLE checkpoint lacks {missing[:4]}")
     save_draft(model, Path(out_dir), target_engine)
-    return Path(out_dir)
+    return Path(out_dir), "EAGLE-1/2 head"

@@ -69,7 +69,7 @@ def draft_tree(draft, vocab, h_last: torch.Tensor, root: torch.Tensor, n: torch.
     k, dev = cfg.top_k, h_last.device
 
     def head(h):
-        return vocab.head(tempered(h, temperature), k)
+        return vocab.head(tempered(draft.head_in(h), temperature), k)
 
     logp, ids = head(h_last[None])
     pool_tok, pool_score, pool_parent = [ids[0]], [logp[0]], [torch.full((k,), -1, device=dev)]

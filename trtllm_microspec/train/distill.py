@@ -21,8 +21,9 @@ Output: DIR/shard_NNNNN.npz (tokens int32, assistant bool, offsets int64 [n+1], 
 turns int32), written atomically every SHARD_CONVS finished conversations, and DIR/manifest.json (the target's
 identity, the prompt source, the settings, the shards and counts; rewritten after each shard). A run on an existing
 DIR continues it: the conversations already stored (or skipped) are not redone, so a larger --conversations
-appends; different settings or another target are refused. --time-limit stops cleanly: the requests in flight are
-dropped and what finished is written.
+appends; different settings or another target are refused. --time-limit stops cleanly: what finished is written,
+and so is every conversation in flight as far as it got (its answer in progress kept cut short, as an answer cut at
+--max-tokens is: the target's work is not thrown away; one with nothing answered yet is left for a later run).
 """
 from __future__ import annotations
 
@@ -253,9 +254,16 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
             bar.set_postfix(req=run["answers"], tok_per_s=f"{run['answer_tokens'] / max(secs, 1e-9):,.0f}",
                             refresh=False)
             if time_limit is not None and perf_counter() - t0 > time_limit and not stopped:
-                stopped = True  # what is in flight is dropped; what finished is kept
-                for r in active:
-                    sched.cancel(r)
+                stopped = True  # what finished is kept, and what is in flight as far as it got
+                for req, c in active.items():
+                    sched.cancel(req)
+                    if _cut_short(c, list(req.out)):
+                        finished.append(c)
+                        run["conversations"] += 1
+                        run["answers"] += bool(req.out)
+                        run["answer_tokens"] += len(req.out)
+                        run["cut_short"] = run.get("cut_short", 0) + 1
+                        bar.update(1)
                 active.clear()
     except KeyboardInterrupt:
         flush()  # keep what finished; the next run continues from it
@@ -302,6 +310,18 @@ def _answered(c: _Conv, ans: list[int], stop_ids: set, tok, limit: int, turns: i
                 return
     c.ids, c.mask = c.ids + ans, c.mask + [True] * len(ans)  # the last turn: its EOS as generated
     c.keep, c.text = len(c.ids), ""
+
+
+def _cut_short(c: _Conv, ans: list[int]) -> bool:
+    """A conversation stopped by --time-limit: its answer in progress `ans` (no EOS yet) ends it, else it ends
+    after its last full answer. False when it has nothing answered (it is left for a later run)."""
+    if ans:
+        c.ids, c.mask = c.ids + ans, c.mask + [True] * len(ans)
+        c.turns += 1
+        c.generated += len(ans)
+        c.keep = len(c.ids)
+    c.ids, c.mask = c.ids[:c.keep], c.mask[:c.keep]
+    return c.turns > 0
 
 
 def cmd_distill(a) -> None:

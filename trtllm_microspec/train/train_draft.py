@@ -1,4 +1,5 @@
-"""`microspec train-draft`: train an EAGLE-1/2 draft head for an engine on ShareGPT conversations.
+"""`microspec train-draft`: train an EAGLE-1/2 (or, --arch eagle3, EAGLE-3) draft head for an engine on ShareGPT
+conversations.
 
 Recipe: the draft is fc + one decoder layer; the target's embedding and LM head are frozen and shared. Input at
 position i = (embedding of token i+1, feature i) -> predicted feature i+1, where features are the target's
@@ -27,20 +28,33 @@ through the head, a chunk of rows at a time (V floats per token would not fit). 
 conversations is held out (of the distilled ones when there are any, or of --heldout-data's).
 
 Token loss (--loss): full = the soft CE over the whole vocabulary (the reference; SoftCE never holds more than one
-chunk of [rows, V] logits); pruned = the soft CE over the --loss-vocab ids most frequent in the training answers,
-both distributions renormalised over them (loss_head: ~k/V of the loss's cost, which at V = 152k is ~80% of a step).
+chunk of [rows, V] logits); fused = the same loss with its softmax part in one Triton kernel over bf16 logits
+(fused_ce.py: no fp32 [rows, V] tensor, ~half the memory traffic); pruned = the soft CE over the --loss-vocab ids
+most frequent in the training answers, both distributions renormalised over them (loss_head: ~k/V of the loss's
+cost, which at V = 152k is ~80% of a step).
+
+--arch eagle3 trains an EAGLE-3 head (spec/eagle3.py) on the same data, rows, schedule and token loss: its input
+is fc over the target's three tapped layers (cached beside the final feature), there is no feature regression
+(the token loss alone, weight 1), --ttt-steps defaults to 3 (its later steps read its own output, which only the
+unrolled steps train), and its draft vocabulary is the --loss-vocab ids most frequent in the training answers
+(frequent_ids, EOS included): its LM head is the target's rows of those ids, frozen, so the pruned soft CE against
+the target's distribution renormalised over them is exactly its own loss.
 
 Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs. With --time-limit (the clock
-counts the whole command: distilling, tokenising, caching) the data is planned from measured rates (caching: the
-held-out rows; training: a few forward + backward passes on them): all rows when caching them and training
---epochs epochs fits the time left, else the rows that do, distilled rows first (plan_rows); then, after a few
-measured steps, the schedule takes every step that fits before the limit (more epochs when there is time), so the
-cosine ends when time does (a hard stop still applies). A checkpoint (fp32 weights +
-optimizer + plan) is written to <out>/checkpoint.pt every --save-every steps (0: never); --resume continues from
-it, and the data order depends only on --seed and the step, so a resumed run follows the uninterrupted one.
---eval then measures the head's acceptance length on --eval-questions questions of each Spec-Bench category and
-HumanEval. --distill-time N makes it one command: `microspec distill` for N seconds into --data (default
-<out>/distilled), then the training on it, both under one --time-limit.
+counts the whole command: distilling, tokenising, caching, the held-out evaluation) the data is planned from rates
+measured on the first training rows (caching them, then a few forward + backward passes): all rows when caching
+them and training --epochs epochs fits the time left, else the rows that do, distilled rows first (plan_rows),
+re-planned from the caching rate of the planned rows; then the schedule takes every step that fits before the
+limit at the measured step time (more epochs when there is time), re-fitted REFITS times over the run, so the
+cosine ends when time does (a hard stop still applies). A checkpoint (fp32 weights + optimizer + plan) is written
+to <out>/checkpoint.pt every --save-every steps (0: never); --resume continues from it, and the data order depends
+only on --seed and the step, so a resumed run follows the uninterrupted one. --eval then measures the head's
+acceptance length on --eval-questions questions of each Spec-Bench category and HumanEval.
+
+One command (the recipe): --distill-time N runs `microspec distill` for N seconds into --data (default
+<out>/distilled), then the training on it, both under one --time-limit; with --time-limit and no --data, N
+defaults to a third of the limit (DISTILL_SHARE) and ShareGPT is mixed in: `train-draft --engine E --out D
+--time-limit 900` is the recipe.
 """
 from __future__ import annotations
 
@@ -49,7 +63,7 @@ import gc
 import json
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from time import perf_counter
 
@@ -63,7 +77,8 @@ from plugins import layers
 from ..models.model import KVCache, Span, Transformer
 from ..models.registry import UserError
 from ..models.tokenizer import Tokenizer
-from ..spec.eagle import EagleDraft, draft_config, save_draft
+from ..spec.eagle import EagleDraft, _target_record, draft_config, save_draft
+from ..spec.eagle3 import Eagle3Draft, default_taps, draft3_config, save_draft3
 
 CE_WEIGHT = 0.1  # EAGLE's weight of the token loss against the feature loss
 NOISE = 0.1  # EAGLE's uniform noise on the input features: U(-NOISE, NOISE)
@@ -72,12 +87,16 @@ EVAL_DEPTHS = 5  # the default tree's depth: held-out accuracy at depths 1..5
 CE_CHUNK = 1 << 26  # logits per chunk of the token loss: a [rows, V] fp32 tensor is 256 MB at most
 TOKENIZE_CHUNK = 1024  # conversations per encode_batch call (one progress update each)
 PROBE_STEPS = 10  # steps timed (after the first) to fit the schedule to --time-limit
-PROBE_ROWS = 4  # held-out rows timed (forward + backward, after one warm-up row) to plan the data under --time-limit
+PROBE_ROWS = 4  # training rows timed (caching, then forward + backward; after one warm-up row) to plan the data
+REFITS = 20  # under --time-limit the schedule is re-fitted to the measured step time this many times over the run
 CACHE_SLACK = 1.25  # caching may take this much longer than planned before it stops (the rest is left out)
-LOSSES = ("full", "pruned")
+LOSSES = ("full", "pruned", "fused")
 FEATURE_RESERVE = 16 << 30  # bytes of device memory left free by the cached features: the training step's own
+DISTILL_SHARE = 1 / 3  # the recipe (--time-limit, no --data): this share of the time limit goes to distilling
 EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
 EVAL_METHODS = ("eagle", "microspec")
+ARCHS = ("eagle2", "eagle3")
+EAGLE3_TTT = 3  # --arch eagle3's default --ttt-steps: its later draft steps read its own output, trained only so
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -91,6 +110,14 @@ class Pack:
     n: int  # valid(0).sum(): the row's positions with a depth-1 loss
     real: int  # tokens of conversations (the rest is padding)
     feats: torch.Tensor | None = None  # [T, d] target features
+    aux: torch.Tensor | None = None  # [T, 3 d] EAGLE-3: the target's three tapped layers (the draft's input)
+    sel: dict = field(default_factory=dict, repr=False)  # step -> valid(step).nonzero(), kept: nonzero syncs
+
+    def rows(self, s: int) -> torch.Tensor:
+        """The indices of valid(s), computed once per row and step (a device sync each time otherwise)."""
+        if s not in self.sel:
+            self.sel[s] = self.valid(s).nonzero().squeeze(-1)
+        return self.sel[s]
 
     @property
     def mask(self) -> torch.Tensor:
@@ -188,14 +215,16 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()  # not inference_mode: the cached features are later inputs of autograd graphs
 def target_features(target: Transformer, packs: list[Pack], desc: str, until: float = math.inf) -> list[Pack]:
     """Caches each row's target features, in order, until the clock passes `until` (one row at least); returns the
-    rows cached."""
+    rows cached. Rows already cached (the plan's probe rows) are kept as they are."""
     bar = tqdm(total=sum(p.real for p in packs), desc=f"target features ({desc})", unit="tok",
                unit_scale=True, dynamic_ncols=True)
     done = 0
     for p in packs:
-        T = len(p.tokens)
-        slots = torch.arange(T, device=p.tokens.device)
-        p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
+        if p.feats is None:
+            T = len(p.tokens)
+            slots = torch.arange(T, device=p.tokens.device)
+            p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
+            p.aux = target.tapped if target.taps else None
         bar.update(p.real)
         done += 1
         if perf_counter() > until:
@@ -211,7 +240,7 @@ def target_features(target: Transformer, packs: list[Pack], desc: str, until: fl
 def unroll(draft: EagleDraft, p: Pack, steps: int, noise: torch.Generator | None):
     """Yields the draft hidden [T, d] of each unrolled step (see the module docstring)."""
     T, dev = len(p.tokens), p.tokens.device
-    x = p.feats
+    x = p.feats if p.aux is None else p.aux  # EAGLE-3's step 0 reads the target's three layers (through fc)
     if noise is not None:
         x = x + (torch.rand(x.shape, generator=noise, device=dev) * 2 - 1).to(x.dtype) * NOISE
     rows = torch.arange(T, device=dev)
@@ -276,18 +305,30 @@ class SoftCE(torch.autograd.Function):
 
 
 def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None,
-                head: torch.Tensor | None = None):
+                head: torch.Tensor | None = None, ce=SoftCE):
     """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows.
-    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head)."""
+    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head; EAGLE-3: its
+    own LM head, or that head's copy in the target's dtype, as the pruned rows are)."""
+    eagle3_head = head
     head = target.head_weight if head is None else head
     out = []
     for s, h in enumerate(unroll(draft, p, steps, noise)):
-        sel = p.valid(s).nonzero().squeeze(-1)
+        sel = p.rows(s)
         nxt = sel + s + 1
+        if draft.version == 3:  # no feature regression; the token loss over its own (frozen) head's vocabulary
+            ploss, correct = SoftCE.apply(draft.head_in(h[sel]), draft.lm_head.weight if eagle3_head is None
+                                          else eagle3_head, p.feats[nxt])
+            out.append((torch.zeros((), device=h.device), ploss, correct, len(sel)))
+            continue
         vloss = F.smooth_l1_loss(h[sel].float(), p.feats[nxt].float(), reduction="none").mean(-1).sum()
-        ploss, correct = SoftCE.apply(h[sel], head, p.feats[nxt])
+        ploss, correct = ce.apply(h[sel], head, p.feats[nxt])
         out.append((vloss, ploss, correct, len(sel)))
     return out
+
+
+def ce_weight(draft) -> float:
+    """The token loss's weight: EAGLE's 0.1 beside the feature loss; EAGLE-3's token loss is the whole loss."""
+    return 1.0 if draft.version == 3 else CE_WEIGHT
 
 
 def _act_dtype(feats: torch.Tensor) -> torch.dtype:
@@ -310,7 +351,7 @@ def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack]) -> dict:
             sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None)]
     draft.train()
     n = np.maximum(sums[:, 3], 1.0)
-    return {"loss": float((sums[0, 0] + CE_WEIGHT * sums[0, 1]) / n[0]),
+    return {"loss": float((sums[0, 0] + ce_weight(draft) * sums[0, 1]) / n[0]),
             "acc": [round(float(a), 4) for a in sums[:, 2] / n], "positions": int(sums[0, 3])}
 
 
@@ -330,27 +371,54 @@ def lr_at(step: int, plan: int, lr: float) -> float:
     return lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, plan) / plan))
 
 
-def init_draft(engine_dir: Path, target: Transformer, device, seed: int) -> EagleDraft:
+def init_draft(engine_dir: Path, target: Transformer, device, seed: int, vocab_ids: torch.Tensor | None = None):
+    """vocab_ids: an EAGLE-3 head over these target ids (its draft vocabulary), else an EAGLE-1/2 head. The EAGLE-3
+    head's LM head starts as the target's rows of those ids and stays frozen (the pruned loss's own head: the
+    target's distribution over the draft vocabulary is then exactly what it learns to match)."""
     torch.manual_seed(seed)
     from ..engine.loader import read_config
-    draft = EagleDraft(draft_config(read_config(engine_dir)), bias=False)  # Llama-3 EAGLE heads have no fc bias
+    c = read_config(engine_dir)
+    if vocab_ids is None:
+        draft = EagleDraft(draft_config(c), bias=False)  # Llama-3 EAGLE heads have no fc bias
+    else:
+        draft = Eagle3Draft(draft3_config(c), c.hidden_size, vocab_ids.numel(), default_taps(c.num_layers))
     for m in draft.modules():  # the Hugging Face init EAGLE's heads start from
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=0.02)
             if m.bias is not None:
                 torch.nn.init.zeros_(m.bias)
+    if vocab_ids is not None:
+        ids = vocab_ids.cpu()
+        draft.d2t.copy_(ids - torch.arange(ids.numel()))
+        draft.lm_head.weight.data.copy_(target.head_weight[vocab_ids.to(target.head_weight.device)].cpu().float())
     draft.setup(target, torch.float32, device)  # fp32 master weights; bf16 compute under autocast on CUDA
-    return draft.requires_grad_(True).train()
+    draft.requires_grad_(True).train()
+    if vocab_ids is not None:
+        draft.lm_head.requires_grad_(False)
+    return draft
 
 
-def _cache_held(target: Transformer, packs: list[Pack]) -> float:
-    """Caches the held-out rows' features; returns the caching rate (tokens/s) measured after the first row."""
+def _cache_timed(target: Transformer, packs: list[Pack], desc: str) -> float:
+    """Caches the rows' features; returns the caching rate (tokens/s) measured after the first row. The plan
+    times the first training rows, not the held-out ones: those are few and the last is mostly padding (on the
+    H200 they cached at 21k tok/s, the training rows at 110k), and a row costs its padded length."""
     t = perf_counter()
-    target_features(target, packs[:1], "held-out")
+    target_features(target, packs[:1], desc)
     if len(packs) > 1:
         t = perf_counter()
-        target_features(target, packs[1:], "held-out")
+        target_features(target, packs[1:], desc)
     return sum(p.real for p in packs[1:] or packs) / max(perf_counter() - t, 1e-9)
+
+
+def frequent_ids(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], k: int):
+    """The k ids most frequent as assistant tokens of the training data, EOS always among them, in id order; and
+    the share of the training positions whose next token they hold."""
+    V = target.head_weight.shape[0]
+    counts = np.bincount(np.concatenate([ids[m] for ids, m in seqs]), minlength=V)[:V]
+    rank = counts.astype(np.float64)
+    rank[[e for e in target.cfg.eos_ids if e < V]] = np.inf  # the end of an answer is always predictable
+    ids = np.sort(np.argsort(-rank, kind="stable")[:k])
+    return torch.from_numpy(ids), float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
 def loss_head(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], loss: str, k: int):
@@ -362,14 +430,10 @@ def loss_head(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], lo
     what the pruned loss no longer pushes down is mass on the rare ids. A lumped 'rest' term would need the
     draft's full-vocabulary normaliser, the very cost being cut. Held-out evaluation always uses the full loss."""
     V = target.head_weight.shape[0]
-    if loss == "full" or k >= V:
+    if loss != "pruned" or k >= V:
         return None, 1.0
-    counts = np.bincount(np.concatenate([ids[m] for ids, m in seqs]), minlength=V)[:V]
-    rank = counts.astype(np.float64)
-    rank[[e for e in target.cfg.eos_ids if e < V]] = np.inf  # the end of an answer is always predictable
-    ids = np.sort(np.argsort(-rank, kind="stable")[:k])
-    share = float(counts[ids].sum()) / max(1, int(counts.sum()))
-    return target.head_weight[torch.from_numpy(ids).to(target.head_weight.device)].contiguous(), share
+    ids, share = frequent_ids(target, seqs, k)
+    return target.head_weight[ids.to(target.head_weight.device)].contiguous(), share
 
 
 def plan_rows(row_tokens: list[int], left: float, cache_rate: float, train_rate: float, epochs: float) -> int:
@@ -380,8 +444,8 @@ def plan_rows(row_tokens: list[int], left: float, cache_rate: float, train_rate:
     return max(1, int(np.searchsorted(cum, budget, side="right")))
 
 
-def train_rate(draft: EagleDraft, target: Transformer, packs: list[Pack], steps: int, head) -> float:
-    """Training tokens/s: forward + backward (the gradients are dropped) on a few held-out rows, after one
+def train_rate(draft: EagleDraft, target: Transformer, packs: list[Pack], steps: int, head, ce=SoftCE) -> float:
+    """Training tokens/s: forward + backward (the gradients are dropped) on a few cached training rows, after one
     warm-up row (compilation, cuDNN plans)."""
     rows = [packs[i % len(packs)] for i in range(PROBE_ROWS + 1)]
     dev = rows[0].tokens.device
@@ -391,8 +455,8 @@ def train_rate(draft: EagleDraft, target: Transformer, packs: list[Pack], steps:
             _sync(dev)
             t = perf_counter()
         with _autocast(dev):
-            losses = pack_losses(draft, target, p, steps, None, head)
-        sum(vl + CE_WEIGHT * pl for vl, pl, _, _ in losses).backward()
+            losses = pack_losses(draft, target, p, steps, None, head, ce)
+        sum(vl + ce_weight(draft) * pl for vl, pl, _, _ in losses).backward()
     _sync(dev)
     draft.zero_grad(set_to_none=True)
     return sum(p.real for p in rows[1:]) / max(perf_counter() - t, 1e-9)
@@ -476,7 +540,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
           save_every: int = 200, heldout: float = 0.02, time_limit: float | None = None,
           eval_tokens: int = 0, data: list[list[dict]] | None = None, distilled: str | Path | None = None,
           mix_sharegpt: bool = False, heldout_data: str | Path | None = None, loss: str = "full",
-          loss_vocab: int = 32768, eval_methods: tuple[str, ...] = EVAL_METHODS, eval_questions: int = 1) -> dict:
+          loss_vocab: int = 32768, eval_methods: tuple[str, ...] = EVAL_METHODS, eval_questions: int = 1,
+          arch: str = "eagle2") -> dict:
     """Returns the run's record (also printed by the command). eval_tokens > 0: --eval with that many new tokens.
     Under time_limit the data is planned from measured rates: every row when caching it and training it for
     `epochs` epochs fits, else the rows that do (distilled rows first, then ShareGPT's, each in a seeded random
@@ -487,6 +552,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     t0 = perf_counter()
     if ttt_steps < 1:
         raise UserError("--ttt-steps must be at least 1")
+    if arch not in ARCHS:
+        raise UserError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if loss not in LOSSES:
         raise UserError(f"unknown --loss {loss!r}; choose one of {', '.join(LOSSES)}")
     if loss_vocab < 1 or epochs <= 0:
@@ -498,22 +565,39 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         data_dir(None)  # no Spec-Bench data is an error now, not after the training
     engine_dir, out = resolve_engine(engine), Path(out)
     dev, dtype = pick_device(device)
+    ce = SoftCE
+    if loss == "fused":
+        from .fused_ce import FusedSoftCE, available
+        if not available(dev):
+            raise UserError("--loss fused runs a Triton kernel: it needs a CUDA device (TRITON_INTERPRET=1 runs it "
+                            "on the CPU, slowly)")
+        ce = FusedSoftCE
     torch.manual_seed(seed)
     # a row must fit the target's KV cache, and its positions + the unrolled steps the rope tables
     max_len = min(max_len, read_config(engine_dir).max_seq_len - EVAL_DEPTHS)
     target, tok = load_target(engine_dir, dev, dtype, max_seq_len=max_len)
+    if arch == "eagle3":  # every cached row keeps the three layers the head reads (Transformer.taps)
+        target.taps = tuple(default_taps(target.cfg.num_layers))
     seqs, n_first, held, what = training_data(engine_dir, tok, max_len, heldout, conversations, data, distilled,
                                               mix_sharegpt, heldout_data)
     head, coverage = loss_head(target, seqs, loss, loss_vocab)
+    vocab_ids = None
+    if arch == "eagle3":  # its draft vocabulary: the --loss-vocab ids most frequent in the training answers
+        V = target.cfg.vocab_size
+        vocab_ids, coverage = frequent_ids(target, seqs, loss_vocab) if loss == "pruned" and loss_vocab < V \
+            else (torch.arange(V), 1.0)
+        head = None  # its own LM head is the loss's
     first = pack(seqs[:n_first], max_len, dev)
     train_packs = _shuffled(first, seed) + _shuffled(pack(seqs[n_first:], max_len, dev), seed + 1)
     held_packs = pack(held, max_len, dev)
     del seqs
-    cache_rate = _cache_held(target, held_packs)
+    _cache_timed(target, held_packs, "held-out")  # (also the caching's warm-up)
 
     per_step = max(1, batch_tokens // max_len)
-    draft = init_draft(engine_dir, target, dev, seed)
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    draft = init_draft(engine_dir, target, dev, seed, vocab_ids)
+    if arch == "eagle3":  # its frozen head in the target's dtype: the same GEMMs as the EAGLE-2 pruned loss
+        head = draft.lm_head.weight.detach().to(target.head_weight.dtype).contiguous()
+    opt = torch.optim.AdamW([q for q in draft.parameters() if q.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = None
     if resume:
         ck = out / CHECKPOINT
@@ -522,7 +606,9 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         state = torch.load(ck, map_location=dev, weights_only=True)
         keep = min(len(train_packs), int(state["key"]["rows"]))  # the rows the interrupted run planned
     elif time_limit is not None:
-        rate = train_rate(draft, target, held_packs, ttt_steps, head)
+        probe = train_packs[:PROBE_ROWS + 1]  # the first rows of the caching order: cached in any plan
+        cache_rate = _cache_timed(target, probe, "probe")
+        rate = train_rate(draft, target, probe, ttt_steps, head, ce)
         left = t0 + time_limit - perf_counter()
         keep = plan_rows([p.real for p in train_packs], left, cache_rate, rate, epochs)
         print(f"[train-draft] plan: caching {cache_rate:,.0f} tok/s, training {rate:,.0f} tok/s, {left:.0f} s left: "
@@ -531,22 +617,24 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         keep = len(train_packs)
     fits = len(train_packs)
     if dev.type == "cuda" and not resume:  # the features stay on the device: as many rows as its memory holds
+        have = sum(p.feats is not None for p in train_packs)  # the probe rows, on the device already
         free = torch.cuda.mem_get_info(dev)[0] - FEATURE_RESERVE
-        fits = min(fits, max(1, int(free // (max_len * target.cfg.hidden_size * 2))))
+        per_token = target.cfg.hidden_size * 2 * (1 + len(target.taps))  # bf16 features (+ EAGLE-3's layers)
+        fits = max(1, min(fits, have + int(max(0, free) // (max_len * per_token))))
         if fits < keep:
             print(f"[train-draft] device memory holds the features of {fits} of the {keep} planned rows",
                   file=sys.stderr)
             keep = fits
-    planned = sum(p.real for p in train_packs[:keep])
+    planned = sum(p.real for p in train_packs[:keep] if p.feats is None)
     until = perf_counter() + CACHE_SLACK * planned / cache_rate if time_limit is not None and not resume else math.inf
     t_cache = perf_counter()
     cached = target_features(target, train_packs[:keep], "train", until)
     took = perf_counter() - t_cache
     if time_limit is not None and not resume and len(cached) == keep < fits and took >= 1.0:
-        # the held-out rows the plan was timed on are few and short (on the H200: 21k tok/s measured there, 110k on
-        # the training rows): re-plan from the planned rows' own rate, and cache the rows that now fit
+        # the plan's caching rate was timed on a few rows: re-plan from the planned rows' own rate, and cache the
+        # rows that now fit
         measured = planned / took
-        left = t0 + time_limit - perf_counter() - epochs * planned / rate
+        left = t0 + time_limit - perf_counter() - epochs * sum(p.real for p in cached) / rate
         if measured > cache_rate and left > 0:
             more = plan_rows([p.real for p in train_packs[keep:fits]], left, measured, rate, epochs)
             extra = sum(p.real for p in train_packs[keep:keep + more])
@@ -559,7 +647,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     plan = total  # steps in the LR schedule; --time-limit may change it once measured
     key = {"engine": str(engine_dir.resolve()), "data": what, "distilled": str(distilled), "max_len": max_len,
            "seed": seed, "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "loss": loss,
-           "loss_vocab": loss_vocab, "rows": len(train_packs)}  # the rows cached: --resume caches the same
+           "loss_vocab": loss_vocab, "rows": len(train_packs),  # the rows cached: --resume caches the same
+           **({"arch": arch} if arch != "eagle2" else {})}
     start = 0
     if state is not None:
         if state["key"] != key:
@@ -567,8 +656,12 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["opt"])
         start, plan = state["step"], state["plan"]
+    t_eval = perf_counter()
     before = evaluate(draft, target, held_packs)
-    done, t_probe, seen = start, None, 0
+    # the held-out evaluation after training costs what this one did: the training stops early by that much, so
+    # the command (evaluation and saving included) ends by --time-limit
+    deadline = t0 + time_limit - (perf_counter() - t_eval) if time_limit is not None else math.inf
+    done, t_probe, seen, fitted = start, None, 0, None
     bar = tqdm(total=plan, initial=start, desc="train draft", unit="step", dynamic_ncols=True)
     while done < plan:
         step = done
@@ -580,8 +673,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         loss_sum = correct = 0
         for i in order:
             with _autocast(dev):
-                losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise, head)
-            part = sum(STEP_DECAY ** s * (vl + CE_WEIGHT * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
+                losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise, head, ce)
+            part = sum(STEP_DECAY ** s * (vl + ce_weight(draft) * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
             part.backward()
             loss_sum, correct = loss_sum + part.detach(), correct + losses[0][2]
             seen += train_packs[i].real
@@ -592,16 +685,20 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         now = perf_counter()
         if time_limit is not None and done == start + 1:
             t_probe = now  # the first step pays for warm-up: timing starts after it
-        if time_limit is not None and done == start + 1 + PROBE_STEPS:
-            per = (now - t_probe) / PROBE_STEPS
-            fit = done + max(0, int((t0 + time_limit - now) / per))
-            plan = min(steps, fit) if steps else fit  # every step that fits: more epochs when there is time
-            bar.total = plan
+        stop = now > deadline  # the plan is an estimate; the limit is not
+        if time_limit is not None and not stop and t_probe is not None and done - start > PROBE_STEPS and (
+                fitted is None or done - fitted >= max(PROBE_STEPS, plan // REFITS)):
+            # every step that fits the time left at the step time measured so far: more epochs when there is
+            # time; re-fitted over the run, as the first steps (compilation, allocator warm-up) run slower
+            per = max(now - t_probe, 1e-9) / (done - start - 1)
+            fit = done + max(0, int((deadline - now) / per))
+            plan = min(steps, fit) if steps else fit
+            bar.total, fitted = plan, done
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss_sum):.3f}", acc1=f"{float(correct) / n:.3f}",
-                        lr=f"{lr_at(step, plan, lr):.1e}",
-                        tok_per_s=f"{seen / max(bar.format_dict['elapsed'], 1e-9):.3g}")
-        stop = time_limit is not None and now - t0 > time_limit  # the plan is an estimate; the limit is not
+        if done % 10 == 0 or done >= plan:  # (reading the loss waits for the device)
+            bar.set_postfix(loss=f"{float(loss_sum):.3f}", acc1=f"{float(correct) / n:.3f}",
+                            lr=f"{lr_at(step, plan, lr):.1e}",
+                            tok_per_s=f"{seen / max(bar.format_dict['elapsed'], 1e-9):.3g}")
         if save_every and (done % save_every == 0 or done == plan or stop):
             out.mkdir(parents=True, exist_ok=True)
             torch.save({"key": key, "step": done, "plan": plan, "draft": draft.state_dict(),
@@ -611,9 +708,12 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     train_s = bar.format_dict["elapsed"]
     _close(bar, seen)
     after = evaluate(draft, target, held_packs)
-    save_draft(draft, out, engine_dir)
+    if arch == "eagle3":
+        save_draft3(draft, out, _target_record(engine_dir), "trained here")
+    else:
+        save_draft(draft, out, engine_dir)
     tokens = sum(p.real for p in train_packs)
-    r = {"out": str(out), "data": what, "loss": loss, "steps": done, "planned_steps": plan, "epoch_steps": total,
+    r = {"out": str(out), "arch": arch, "data": what, "loss": loss, "steps": done, "planned_steps": plan, "epoch_steps": total,
          "ttt_steps": ttt_steps, "train_tokens": tokens, "rows": len(train_packs),
          "epochs": round(seen / max(tokens, 1), 2), "train_tok_per_s": round(seen / max(train_s, 1e-9)),
          "loss_vocab_coverage": round(coverage, 4), "heldout_loss_start": before["loss"],
@@ -639,8 +739,15 @@ def cmd_train_draft(a) -> None:
     methods = tuple(m for m in a.eval_methods.split(",") if m)
     if not methods or any(m not in EVAL_METHODS for m in methods):
         raise UserError(f"--eval-methods: a comma-separated subset of {','.join(EVAL_METHODS)}, got {a.eval_methods!r}")
-    t0, time_limit, data, distilled = perf_counter(), a.time_limit, a.data, None
-    if a.distill_time is not None:  # one command: distill into --data (default <out>/distilled), then train on it
+    t0, time_limit, data, distilled, mix = perf_counter(), a.time_limit, a.data, None, a.mix_sharegpt
+    if a.distill_time is not None and a.distill_time < 0:
+        raise UserError(f"--distill-time must be at least 0, got {a.distill_time}")
+    if a.distill_time is None and time_limit is not None and data is None:
+        # the recipe: a share of the time distills the target's own answers, mixed with ShareGPT for the rest
+        a.distill_time, mix = DISTILL_SHARE * time_limit, True
+        print(f"[train-draft] the recipe: distill {a.distill_time:.0f} s, then train on the answers + ShareGPT "
+              f"(--distill-time 0: ShareGPT only)", file=sys.stderr)
+    if a.distill_time:  # one command: distill into --data (default <out>/distilled), then train on it
         from .distill import distill
         if time_limit is not None and a.distill_time >= time_limit:
             raise UserError(f"--distill-time {a.distill_time} leaves no training time in --time-limit {time_limit}")
@@ -656,9 +763,10 @@ def cmd_train_draft(a) -> None:
         if time_limit is not None:
             time_limit -= perf_counter() - t0
     r = train(a.engine, a.out, conversations=a.conversations, max_len=a.max_len, steps=a.steps, epochs=a.epochs,
-              lr=a.lr, batch_tokens=a.batch_tokens, ttt_steps=a.ttt_steps, seed=a.seed, device=a.device,
+              lr=a.lr, batch_tokens=a.batch_tokens, seed=a.seed, device=a.device, arch=a.arch,
+              ttt_steps=a.ttt_steps if a.ttt_steps is not None else EAGLE3_TTT if a.arch == "eagle3" else 1,
               resume=a.resume, save_every=a.save_every, heldout=a.heldout, time_limit=time_limit,
-              eval_tokens=a.eval_tokens if a.eval else 0, distilled=data, mix_sharegpt=a.mix_sharegpt,
+              eval_tokens=a.eval_tokens if a.eval else 0, distilled=data, mix_sharegpt=mix,
               heldout_data=a.heldout_data, loss=a.loss, loss_vocab=a.loss_vocab, eval_methods=methods,
               eval_questions=a.eval_questions)
     if distilled is not None:
@@ -670,8 +778,8 @@ def cmd_train_draft(a) -> None:
 def register(sub) -> None:
     from .distill import add_distill_args
 
-    p = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head for an engine (ShareGPT and/or the "
-                                           "target's own answers from `microspec distill`)")
+    p = sub.add_parser("train-draft", help="train an EAGLE-1/2 or (--arch eagle3) EAGLE-3 draft head for an engine "
+                                           "(ShareGPT and/or the target's own answers from `microspec distill`)")
     p.add_argument("--engine", required=True, help="engine directory or model key")
     p.add_argument("--out", required=True, help="draft directory (config.json + model.safetensors, checkpoint.pt)")
     p.add_argument("--conversations", type=int, help="first N ShareGPT conversations (default: all)")
@@ -682,7 +790,8 @@ def register(sub) -> None:
     p.add_argument("--heldout-data", help="a `microspec distill` directory whose last --heldout fraction is the "
                    "held-out set (default: --data's; without --data, ShareGPT's): arms on other data compare")
     p.add_argument("--distill-time", type=float, help="first distill for this many seconds into --data (default "
-                   "<out>/distilled), then train on it; --time-limit counts both")
+                   "<out>/distilled), then train on it; --time-limit counts both. Default: with --time-limit and no "
+                   "--data, a third of it, mixed with ShareGPT (the recipe); 0: no distilling")
     add_distill_args(p, "distill-")
     p.add_argument("--max-len", type=int, default=4096, help="tokens per packed row (and per conversation)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: from --epochs; under --time-limit, at most)")
@@ -690,12 +799,16 @@ def register(sub) -> None:
                    "the planned data gets (more when there is time; less data when the time holds fewer)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per optimizer step (whole rows)")
-    p.add_argument("--ttt-steps", type=int, default=1, help="unrolled draft steps per position (training-time "
-                                                            "test); 1 = EAGLE's single-step recipe")
+    p.add_argument("--ttt-steps", type=int, help="unrolled draft steps per position (training-time test; "
+                   f"default 1 = EAGLE's single-step recipe, {EAGLE3_TTT} with --arch eagle3)")
+    p.add_argument("--arch", default="eagle2", choices=ARCHS, help="eagle2: an EAGLE-1/2 head (fc over [embedding ; "
+                   "final feature], the target's LM head, feature + token loss); eagle3: an EAGLE-3 head (fc over "
+                   "three target layers, its own LM head over the --loss-vocab most frequent answer ids, token loss "
+                   "only, --ttt-steps unrolled)")
     p.add_argument("--loss", default="pruned", choices=LOSSES, help="token loss: pruned = soft CE over the "
                    "--loss-vocab ids most frequent in the training answers (the default: on the H200 it trained 2.3x "
                    "the tokens/s of full, and with distilled data won the equal-wall-time A/B); full = over the whole "
-                   "vocabulary (the reference)")
+                   "vocabulary (the reference); fused = full's loss with its softmax part in one Triton kernel (CUDA)")
     p.add_argument("--loss-vocab", type=int, default=32768, help="ids of --loss pruned")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -703,8 +816,9 @@ def register(sub) -> None:
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps; 0: none (e.g. when "
                                                                "--out is the package's shipped head)")
     p.add_argument("--heldout", type=float, default=0.02, help="fraction of the conversations held out")
-    p.add_argument("--time-limit", type=float, help="seconds of wall time since the start (distilling and caching "
-                   "included) by which training ends: the data and the schedule are planned from measured rates")
+    p.add_argument("--time-limit", type=float, help="seconds of wall time since the start (distilling, caching "
+                   "and the held-out evaluation included; --eval after it) by which the head is made: the data and "
+                   "the schedule are planned from measured rates. Without --data it distills first (--distill-time)")
     p.add_argument("--eval", action="store_true", help="after training, the acceptance length of the head on "
                                                        "Spec-Bench + HumanEval prompts (eagle and microspec)")
     p.add_argument("--eval-tokens", type=int, default=256, help="new tokens per --eval prompt")

@@ -26,7 +26,7 @@ def batch_vocab(vocab, slots: int):
         if not (vocab.use_prompt and vocab.use_rounds and vocab.use_packed):
             raise ValueError("the batched engine runs the microspec windows only, not their ablations")
         return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned.tolist(), slots,
-                           None if vocab.fill is None else vocab.fill.ids)
+                           None if vocab.fill is None else vocab.fill.ids, vocab.row_of, vocab.V)
     return SharedVocab(vocab)
 
 
@@ -74,10 +74,15 @@ class BatchWindow:
     """The MicroSpec window (plugins/ops.py's state) of each of `slots` batch slots, reset when a request joins."""
 
     def __init__(self, head: torch.Tensor, w_max: int, pinned: list[int], slots: int,
-                 fill_ids: torch.Tensor | None = None):
-        """fill_ids: the fill's ranked ids (strategies.fill_ranking), or None for the paper's window."""
+                 fill_ids: torch.Tensor | None = None, row_of: torch.Tensor | None = None,
+                 vocab_size: int | None = None):
+        """fill_ids: the fill's ranked ids (strategies.fill_ranking), or None for the paper's window. row_of /
+        vocab_size: an EAGLE-3 draft vocabulary, as WindowVocab's (pinned and fill ids already within it)."""
         V, d = head.shape
         dev = head.device
+        self.row_of = row_of
+        if row_of is not None:
+            V = vocab_size
         self.head_w, self.pinned = head, torch.tensor(sorted(set(pinned)), dtype=torch.long, device=dev)
         self.W, self.V, self.R = w_max, V, w_max + len(self.pinned)
         R = self.R
@@ -95,7 +100,7 @@ class BatchWindow:
         self.in_flight: tuple | None = None
         self.fill = None if fill_ids is None else Fill(fill_ids, V, dev)
         F = 0 if self.fill is None else self.fill.F
-        self.fill_rows = head[self.fill.ids] if F else None  # [F, d], gathered once, shared by every slot
+        self.fill_rows = head[self.rows(self.fill.ids)] if F else None  # [F, d], gathered once, shared by every slot
         self.fill_id_of = torch.full((slots, F), -1, dtype=torch.long, device=dev)  # kept fill ids, -1: not kept
 
     def reset(self, slot: int) -> None:
@@ -109,7 +114,11 @@ class BatchWindow:
         self.count[slot, self.pinned] = 1
         self.slot_of[slot, self.pinned] = torch.arange(P, device=self.pinned.device)
         self.id_of[slot, :P] = self.pinned
-        self.packed[slot, :P] = self.head_w[self.pinned]
+        self.packed[slot, :P] = self.head_w[self.rows(self.pinned)]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """WindowVocab.rows: the head rows of target ids."""
+        return ids if self.row_of is None else self.row_of[ids].clamp(min=0)
 
     def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor) -> None:
         """A request joins batch slot `slot`: its window starts afresh from its prompt and top-K_pre ids."""
@@ -138,6 +147,8 @@ class BatchWindow:
         B, n = new_ids.shape
         if n == 0:
             return
+        if self.row_of is not None:  # ids outside the draft vocabulary never enter the window (WindowVocab.in_vocab)
+            new_ids = torch.where(self.row_of[new_ids] >= 0, new_ids, -1)
         W, V, R = self.W, self.V, self.R
         ring, count, slot_of, id_of = (t.view(-1) for t in (self.ring, self.count, self.slot_of, self.id_of))
         at_ring, at_v, at_r = (batch[:, None] * width for width in (W + 1, V + 1, R + 1))  # each slot's row
@@ -181,7 +192,7 @@ class BatchWindow:
         self.id_of[:, R:].fill_(-1)
 
         packed = self.packed.view(-1, self.packed.shape[-1])
-        rows = torch.where(is_new, fresh, 0).flatten()
+        rows = self.rows(torch.where(is_new, fresh, 0).flatten())
         dst = torch.where(is_new, at_r + slots, packed.shape[0] - 1).flatten()
         if self.copy_stream is None:
             ops.gather_rows(self.head_w, rows, packed, dst)

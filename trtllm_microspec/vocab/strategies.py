@@ -23,6 +23,11 @@ come first, in tree order (by draft score rank), then C_ver position by position
 is ordered by position, then by rank, first occurrence kept. EOS ids are pinned and never leave.
 The fill's ranking is the engine's FR-Spec ranking (`microspec build-freq`, <engine>/token_freq.safetensors);
 an engine without one ranks by token id (see fill_ranking).
+
+An EAGLE-3 head brings its own LM head over its own draft vocabulary: `head` is then its rows [V_draft, d] and
+`head_ids` the target id of each row (d2t). The strategies stay in target ids: full and static (frspec) are the
+draft vocabulary itself, and the window holds target ids, gathers each one's row through `row_of` (t2d) and skips
+the ids the draft vocabulary lacks, so they can never be proposed (the pinned EOS ids and the fill too).
 """
 from __future__ import annotations
 
@@ -46,11 +51,22 @@ def fill_ranking(ranked_ids: torch.Tensor | None, vocab_size: int, n: int) -> to
     return ranked_ids[:n].long()
 
 
+def row_index(head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The head row of each target id [V + 1], -1 for the ids without one (and the padding id -1 -> index V)."""
+    row_of = torch.full((vocab_size + 1,), -1, dtype=torch.long, device=head_ids.device)
+    row_of[head_ids] = torch.arange(head_ids.numel(), device=head_ids.device)
+    return row_of
+
+
 class FullVocab:
-    def __init__(self, head: torch.Tensor):
+    def __init__(self, head: torch.Tensor, head_ids: torch.Tensor | None = None, vocab_size: int | None = None):
+        """head_ids: the target id of each head row (an EAGLE-3 draft vocabulary), None: row i is id i."""
         self.packed = head
-        self.id_of = torch.arange(head.shape[0], device=head.device)
+        self.id_of = torch.arange(head.shape[0], device=head.device) if head_ids is None else head_ids
         self._size = torch.tensor(head.shape[0], device=head.device)
+        self.member = None
+        if head_ids is not None:
+            self.member = row_index(head_ids, vocab_size)[:vocab_size] >= 0
 
     def start(self, prompt_ids, prompt_topk, first_topk) -> None:
         pass
@@ -68,7 +84,7 @@ class FullVocab:
         return self._size
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.ones_like(ids, dtype=torch.bool)
+        return torch.ones_like(ids, dtype=torch.bool) if self.member is None else self.member[ids]
 
 
 class StaticVocab(FullVocab):
@@ -118,11 +134,22 @@ class WindowVocab:
              "naive": (True, True, False, False)}  # name -> (prompt stream, round stream, packed buffer, fill)
 
     def __init__(self, name: str, head: torch.Tensor, w_max: int, pinned: list[int],
-                 ranked_ids: torch.Tensor | None = None):
+                 ranked_ids: torch.Tensor | None = None, head_ids: torch.Tensor | None = None,
+                 vocab_size: int | None = None):
+        """head_ids / vocab_size: an EAGLE-3 draft vocabulary (the module docstring); the window keeps target ids."""
         V, d = head.shape
         dev = head.device
+        self.row_of = None  # target id -> head row (None: the same)
+        if head_ids is not None:
+            V = vocab_size
+            self.row_of = row_index(head_ids, V)
+            pinned = [p for p in pinned if self.row_of[p] >= 0]
+            ranked = None if ranked_ids is None else ranked_ids.to(dev).long()
+            ranked_ids = head_ids if ranked is None else ranked[self.row_of[ranked] >= 0]
+        self.V = V
         use_prompt, use_rounds, packed, fill = self.FLAGS[name]
-        self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev)
+        self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev,
+                                                                          dtype=torch.long)
         self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
         self.R = R = w_max + len(self.pinned)
         # R ranked ids: enough to fill every slot the window leaves free, whichever of them the window holds
@@ -139,7 +166,7 @@ class WindowVocab:
         self.id_of_all, self.packed_all = self.ids_all[F:], self.rows_all[F:]
         self.fill_id_of = self.ids_all[:F]  # the kept fill ids (-1: not kept)
         if fill and packed:
-            self.rows_all[:F] = head[self.fill.ids]
+            self.rows_all[:F] = head[self.rows(self.fill.ids)]
         self.packed, self.id_of = self.rows_all[:F + R], self.ids_all[:F + R]
         # the gather of newly active rows runs on its own stream, hidden behind the draft backbone
         self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and packed else None
@@ -157,15 +184,24 @@ class WindowVocab:
         self.slot_of[self.pinned] = slots
         self.id_of_all[slots] = self.pinned
         if self.use_packed:
-            ops.gather_rows(self.head_w, self.pinned, self.packed_all, slots)
+            ops.gather_rows(self.head_w, self.rows(self.pinned), self.packed_all, slots)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The head rows of target ids (of the draft vocabulary; padding's 0 reads any row)."""
+        return ids if self.row_of is None else self.row_of[ids].clamp(min=0)
+
+    def in_vocab(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (-1 = padding) with those the draft vocabulary lacks made padding too: they never enter the window."""
+        return ids if self.row_of is None else torch.where(self.row_of[ids] >= 0, ids, -1)
 
     def _append(self, ids: torch.Tensor) -> None:
         if ids.numel() == 0:
             return
         rows, slots = ops.window_update(self.ring, self.head_pos, self.count, self.slot_of, self.id_of_all,
-                                        self.first, ids)
+                                        self.first, self.in_vocab(ids))
         if not self.use_packed:
             return
+        rows = self.rows(rows)
         if self.copy_stream is None:
             ops.gather_rows(self.head_w, rows, self.packed_all, slots)
             return
@@ -201,7 +237,7 @@ class WindowVocab:
 
     def head(self, hidden: torch.Tensor, k: int):
         if not self.use_packed:  # naive: an indexed GEMM over scattered rows, every call
-            return ops.packed_head(hidden, self.head_w[self.id_of.clamp(min=0)], self.id_of, k)
+            return ops.packed_head(hidden, self.head_w[self.rows(self.id_of.clamp(min=0))], self.id_of, k)
         return ops.packed_head(hidden, self.packed, self.id_of, k)
 
     def size(self) -> torch.Tensor:
@@ -216,9 +252,13 @@ class WindowVocab:
 
 
 def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 3072,
-               ranked_ids: torch.Tensor | None = None, static_k: int = 32768):
-    if method == "eagle":
-        return FullVocab(head)
+               ranked_ids: torch.Tensor | None = None, static_k: int = 32768,
+               head_ids: torch.Tensor | None = None, vocab_size: int | None = None):
+    """head_ids / vocab_size: an EAGLE-3 head's own draft vocabulary, which is also frspec's static one."""
+    if method == "eagle" or (method == "frspec" and head_ids is not None):
+        return FullVocab(head, head_ids, vocab_size)
+    if head_ids is not None:
+        return WindowVocab(method, head, w_max, pinned, ranked_ids, head_ids, vocab_size)
     if method == "frspec":
         if ranked_ids is None:
             raise UserError("frspec needs token frequencies: run `microspec build-freq --engine DIR` first")
