@@ -298,7 +298,7 @@ def norm_linear_choice(res, delta, norm_w, eps, offset, w, bias, rope=None) -> d
     def kernel(config):
         return tk.skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config, rope and rope[:7])[1]
 
-    kind = ("norm+add" if delta is not None else "norm") + ("+rope" if rope is not None else "")
+    kind = ("norm+add" if delta is not None else "norm") + (f"+rope D={rope[5].shape[-1]}" if rope is not None else "")
     return _choice(res, w, bias is not None, kind, ref, kernel, configs if rope is not None else None)
 
 
