@@ -255,8 +255,6 @@ def norm_linear(res: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Ten
     own row norm first), the add and the norm ride in the skinny GEMM's prologue, and without Gemma's q/k norms
     the rotation and the KV-cache write in its epilogue (triton_layers.skinny_norm_linear: one launch instead
     of two to four), each where that measured faster than the path without it (norm_linear_choice)."""
-    from . import triton_layers as tk
-
     fuse = (FUSE and delta_w is None and 0 < res.shape[0] <= SKINNY_ROWS and fast(res, delta, norm_w, w, bias)
             and w.is_contiguous() and res.is_contiguous() and (delta is None or delta.is_contiguous())
             and w.numel() < 2 ** 31)
@@ -264,13 +262,15 @@ def norm_linear(res: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Ten
         if fuse and rope[7] is None:
             config = norm_linear_choice(res, delta, norm_w, eps, offset, w, bias, rope)["config"]
             if config is not None:
-                return tk.skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config, rope[:7])
+                from .triton_layers import skinny_norm_linear
+                return skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config, rope[:7])
         res, qkv = norm_linear(res, delta, norm_w, eps, offset, w, bias, delta_w)
         return res, rope_cache_write(qkv, *rope)
     if fuse:
         config = norm_linear_choice(res, delta, norm_w, eps, offset, w, bias)["config"]
         if config is not None:
-            return tk.skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config)
+            from .triton_layers import skinny_norm_linear
+            return skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config)
     res, h = add_rms_norm(res, delta, norm_w, eps, offset, delta_w)
     return res, linear(h, w, bias)
 
