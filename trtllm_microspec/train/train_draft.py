@@ -208,12 +208,13 @@ def target_features(target: Transformer, packs: list[Pack], desc: str, until: fl
                unit_scale=True, dynamic_ncols=True)
     done = 0
     for p in packs:
-        if p.feats is None:
-            T = len(p.tokens)
-            slots = torch.arange(T, device=p.tokens.device)
-            p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
-        bar.update(p.real)
         done += 1
+        if p.feats is not None:
+            continue
+        T = len(p.tokens)
+        slots = torch.arange(T, device=p.tokens.device)
+        p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
+        bar.update(p.real)
         if perf_counter() > until:
             break
     _sync(packs[0].tokens.device)
