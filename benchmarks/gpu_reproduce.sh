@@ -72,7 +72,8 @@ for stage in "$@"; do
     checks)
       python3 -m plugins.check | tee "$OUT/plugins_check.txt" | tail -2
       python3 -m plugins.check_layers | tee "$OUT/check_layers.txt" | grep -v "^PASS"
-      python3 -m trtllm_microspec.train.fused_ce | tee "$OUT/fused_ce_check.txt" ;;   # --loss fused's kernel
+      python3 -m trtllm_microspec.train.fused_ce | tee "$OUT/fused_ce_check.txt" \
+        || echo "fused_ce check FAILED (--loss fused's kernel)" ;;
     profile)
       ms profile --engine "$KEY" --out "$OUT/profile_$KEY.md" ;;
     kernels-ab)

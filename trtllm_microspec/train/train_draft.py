@@ -316,15 +316,16 @@ def _autocast(device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack]) -> dict:
-    """Held-out depth-1 loss and top-1 accuracy at depths 1..EVAL_DEPTHS."""
+def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack], ce=SoftCE) -> dict:
+    """Held-out depth-1 loss and top-1 accuracy at depths 1..EVAL_DEPTHS, over the whole vocabulary (ce: SoftCE,
+    or FusedSoftCE, the same loss, for --loss fused: it then compiles nothing the training did not)."""
     draft.eval()
     sums = np.zeros((EVAL_DEPTHS, 4))  # feature loss, token loss, correct, positions
     for p in packs:
         # the torch path, as in training: the draft's fp32 weights under autocast are not the one-dtype
         # inference case the Triton kernels serve
         with _autocast(p.tokens.device), layers.path(False):
-            sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None)]
+            sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None, None, ce)]
     draft.train()
     n = np.maximum(sums[:, 3], 1.0)
     return {"loss": float((sums[0, 0] + CE_WEIGHT * sums[0, 1]) / n[0]),
@@ -597,7 +598,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         opt.load_state_dict(state["opt"])
         start, plan = state["step"], state["plan"]
     t_eval = perf_counter()
-    before = evaluate(draft, target, held_packs)
+    before = evaluate(draft, target, held_packs, ce)
     # the held-out evaluation after training costs what this one did: the training stops early by that much, so
     # the command (evaluation and saving included) ends by --time-limit
     deadline = t0 + time_limit - (perf_counter() - t_eval) if time_limit is not None else math.inf
@@ -647,7 +648,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
             break
     train_s = bar.format_dict["elapsed"]
     _close(bar, seen)
-    after = evaluate(draft, target, held_packs)
+    after = evaluate(draft, target, held_packs, ce)
     save_draft(draft, out, engine_dir)
     tokens = sum(p.real for p in train_packs)
     r = {"out": str(out), "data": what, "loss": loss, "steps": done, "planned_steps": plan, "epoch_steps": total,
