@@ -30,9 +30,11 @@
 #              conversations for every arm) and acceptance (eagle, default tree) on EVAL_Q questions of each
 #              Spec-Bench category + HumanEval -> $OUT/head_ab/head_ab.md. Arms: sharegpt (today's data),
 #              distilled, mixed (distilled + ShareGPT), sharegpt-pruned, mixed-pruned (--loss pruned),
-#              mixed-pruned-ttt2 and EAGLE-3 heads (issue 26): mixed-eagle3 (ttt 3), mixed-eagle3-ttt5.
-#              ~17 min on an H200 with the default 3 arms. EAGLE-3 vs EAGLE-2 at equal wall time:
-#              ARMS="mixed-pruned mixed-eagle3" bash benchmarks/gpu_reproduce.sh head-ab
+#              mixed-pruned-ttt2, mixed-fused (--loss fused: the full loss through the Triton kernel),
+#              mixed-pruned-sampled (answers sampled with SAMPLED_ARGS, distilled for DISTILL_LIMIT s too, scored on
+#              the greedy arms' held-out set), and EAGLE-3 heads (issue 26): mixed-eagle3 (ttt 3),
+#              mixed-eagle3-ttt5. ~17 min on an H200 with the default 3 arms. EAGLE-3 vs EAGLE-2 at equal wall
+#              time: ARMS="mixed-pruned mixed-eagle3" bash benchmarks/gpu_reproduce.sh head-ab
 #   recipe     the one-command head (issue 28): `train-draft --engine KEY --time-limit RECIPE_LIMIT` (900 s: a third
 #              distilling, the rest caching + training on the answers + ShareGPT) into $OUT/recipe_KEY/head, then
 #              --eval (eagle + microspec, default GPU tree, RECIPE_EVAL_Q questions of each Spec-Bench category +
@@ -72,6 +74,7 @@ DISTILL_LIMIT=${DISTILL_LIMIT:-170}   # head-ab: seconds of distilling (engine l
 DISTILL_ARGS=${DISTILL_ARGS:---max-batch 256}
 ARM_LIMIT=${ARM_LIMIT:-220}  # head-ab: --time-limit of each arm (tokenising and caching included; --eval after it)
 ARMS=${ARMS:-sharegpt mixed mixed-pruned}
+SAMPLED_ARGS=${SAMPLED_ARGS:---temperature 0.7 --top-p 0.8 --top-k 20}  # head-ab: the sampled regeneration
 EVAL_Q=${EVAL_Q:-2}          # head-ab: --eval questions per category
 AB_ROWS=${AB_ROWS:-1 4 16 32 60}  # kernels-ab: rows of each projection
 AB_ARGS=${AB_ARGS:-}         # head-ab: more train-draft arguments for every arm (e.g. --epochs 2)
@@ -86,7 +89,9 @@ for stage in "$@"; do
   case $stage in
     checks)
       python3 -m plugins.check | tee "$OUT/plugins_check.txt" | tail -2
-      python3 -m plugins.check_layers | tee "$OUT/check_layers.txt" ;;
+      python3 -m plugins.check_layers | tee "$OUT/check_layers.txt"
+      python3 -m trtllm_microspec.train.fused_ce | tee "$OUT/fused_ce_check.txt" \
+        || echo "fused_ce check FAILED (--loss fused's kernel)" ;;
     profile)
       ms profile --engine "$KEY" --out "$OUT/profile_$KEY.md" ;;
     kernels-ab)
@@ -145,6 +150,11 @@ random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/rando
         ms distill --engine "$KEY" --out "$DIST" --time-limit "$DISTILL_LIMIT" $DISTILL_ARGS 2>&1 \
           | tr '\r' '\n' | grep --line-buffered "\[distill\]\|^{\|rror" | tee "$AB/distill.log"
       fi
+      SDIST="$AB/distilled_sampled"   # the sampled regeneration (arm mixed-pruned-sampled), same time
+      if [[ " $ARMS " == *" mixed-pruned-sampled "* ]] && [ ! -f "$SDIST/manifest.json" ]; then
+        ms distill --engine "$KEY" --out "$SDIST" --time-limit "$DISTILL_LIMIT" $DISTILL_ARGS $SAMPLED_ARGS 2>&1 \
+          | tr '\r' '\n' | grep --line-buffered "\[distill\]\|^{\|rror" | tee "$AB/distill_sampled.log"
+      fi
       for arm in $ARMS; do
         case $arm in
           sharegpt) args="--heldout-data $DIST --distill-time 0 --loss full" ;;
@@ -155,6 +165,8 @@ random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/rando
           mixed-pruned-ttt2) args="--data $DIST --mix-sharegpt --loss pruned --ttt-steps 2" ;;
           mixed-eagle3) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3" ;;   # issue 26 (ttt 3)
           mixed-eagle3-ttt5) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3 --ttt-steps 5" ;;
+          mixed-fused) args="--data $DIST --mix-sharegpt --loss fused" ;;
+          mixed-pruned-sampled) args="--data $SDIST --heldout-data $DIST --mix-sharegpt --loss pruned" ;;
           *) echo "unknown head-ab arm $arm"; exit 2 ;;
         esac
         ms train-draft --engine "$KEY" --out "$AB/$arm" --time-limit "$ARM_LIMIT" --save-every 0 --eval \
@@ -166,9 +178,11 @@ random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/rando
 import json, sys
 from pathlib import Path
 ab, arms = Path(sys.argv[1]), sys.argv[2:]
-m = json.loads((ab / "distilled" / "manifest.json").read_text())
-print(f"distilled: {m['conversations']} conversations, {m['answers']} answers, {m['answer_tokens']:,} answer "
-      f"tokens ({m['tokens']:,} in all), settings {json.dumps(m['settings'])}\n")
+for name in ("distilled", "distilled_sampled"):
+    if (ab / name / "manifest.json").exists():
+        m = json.loads((ab / name / "manifest.json").read_text())
+        print(f"{name}: {m['conversations']} conversations, {m['answers']} answers, {m['answer_tokens']:,} answer "
+              f"tokens ({m['tokens']:,} in all), settings {json.dumps(m['settings'])}\n")
 print("| arm | head | data | loss | ttt | train tokens | epochs | train tok/s | held-out top-1 d1..d5 | acceptance (eagle) "
       "| wall s |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")

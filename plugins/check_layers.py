@@ -10,7 +10,8 @@ against each request alone) of small random Llama, Qwen2 (q/k/v bias) and Gemma-
 unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
 bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
 small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Each check prints one line as it
-finishes (all configs of one projection shape on one line), with its seconds; `--only TEXT` runs a subset.
+finishes (all configs of one projection shape on one line), with its seconds; `--only TEXT` runs a subset; on a
+GPU the skinny GEMM's variants are compiled in --jobs processes first.
 Exit status 1 on any failure.
 """
 from __future__ import annotations
@@ -61,7 +62,11 @@ def check_norm(dev, dtype, g, d: int) -> float:
         (r1, h1), (r2, h2) = both(lambda: layers.add_rms_norm(res, delta, w, 1e-6, offset,
                                                               dw if norm_delta else None))
         err = max(err, rel(r1, r2), rel(h1, h2))
-    return err
+    # strided rows (a column slice, as EAGLE-3's fc output or a tapped layer can be): read densely, same result
+    wide = torch.randn(7, 2 * d, generator=g).to(dev, dtype)
+    res, delta = wide[:, :d], wide[:, d:]
+    (r1, h1), (r2, h2) = both(lambda: layers.add_rms_norm(res, delta, w, 1e-6, 0.0))
+    return max(err, rel(r1, r2), rel(h1, h2))
 
 
 def check_act(dev, dtype, g, inter: int) -> float:
@@ -112,8 +117,44 @@ def check_norm_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, has_del
     return out
 
 
+def check_norm_qkv_rope(dev, dtype, g, M: int, H: int, KV: int, D: int, K: int, bias: bool,
+                        has_delta: bool) -> list[tuple[tuple, float]]:
+    """add + RMSNorm + q|k|v + rotary + KV-cache write in one launch (every config whose column blocks tile the
+    heads) against norm_linear + rope_cache_write on the reference path: the largest error of the new residual,
+    q, and the k and v written (the caches poisoned first, so an unwritten slot fails)."""
+    from .triton_layers import rope_fits, skinny_configs, skinny_norm_linear
+
+    gd = torch.Generator(device=dev).manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    N, S = (H + 2 * KV) * D, 3 * M + 8
+    res = (torch.randn(M, K, generator=gd, device=dev) * 3).to(dtype)
+    delta = torch.randn(M, K, generator=gd, device=dev).to(dtype) if has_delta else None
+    nw = torch.randn(K, generator=gd, device=dev).to(dtype)
+    w = (torch.randn(N, K, generator=gd, device=dev) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=gd, device=dev).to(dtype) if bias else None
+    ang = torch.rand(S, D // 2, generator=gd, device=dev) * 6
+    cos, sin = ang.cos(), ang.sin()
+    pos = torch.randint(S, (M,), generator=gd, device=dev)
+    slots = torch.randperm(S, generator=gd, device=dev)[:M]
+
+    def run(fn):
+        k = torch.full((KV, S, D), float("nan"), dtype=dtype, device=dev)
+        v = k.clone()
+        new_res, q = fn((H, KV, (cos, sin), pos, slots, k, v))
+        return new_res, q, k[:, slots], v[:, slots]
+
+    with layers.path(False):
+        ref = run(lambda r: layers.norm_linear(res, delta, nw, 1e-6, 0.0, w, b, rope=(*r, None, 1e-6)))
+    out = []
+    for c in [c for c in skinny_configs(M, N, K, dtype == torch.float32) if rope_fits(c, D)]:
+        got = run(lambda r: skinny_norm_linear(res, delta, nw, 1e-6, 0.0, w, b, c, r))
+        again = run(lambda r: skinny_norm_linear(res, delta, nw, 1e-6, 0.0, w, b, c, r))
+        same = all(torch.equal(a, b) for a, b in zip(got, again))  # counters reset, fixed sum order: same bits
+        out.append((c, max(rel(a, r) for a, r in zip(got, ref)) if same else float("inf")))
+    return out
+
+
 def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, act: bool, bias: bool,
-                            norm: bool = False):
+                            norm: bool = False, rope: bool = False):
     """Compile the skinny GEMM for sm_90 without a GPU (Triton's own ptxas), with the 16-divisibility Triton
     infers for real shapes: -> (shared memory bytes, whether the K loop is pipelined through cp.async)."""
     from triton import compile as build
@@ -124,15 +165,19 @@ def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, ac
 
     dt = "fp32" if fp32 else "bf16"
     block_n, block_k, splits = config
-    const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, NORM=norm, HAS_DELTA=norm,
-                 BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=fp32)
+    const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, NORM=norm, HAS_DELTA=norm, ROPE=rope,
+                 HEAD_D=128, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k,
+                 IEEE=fp32)
     sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}, "part_ptr": "*fp32",
            **{p: f"*{dt}" for p in ("d_ptr", "nw_ptr", "res_ptr")}, "sq_ptr": "*fp32", "cnt_ptr": "*i32",
+           "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+           **{p: f"*{dt}" for p in ("q_ptr", "k_ptr", "v_ptr")},
            **{n: "i32" for n in ("M", "N", "K", "k_split", "n_splits", "stride_xm")}, "eps": "fp32", "offset": "fp32",
+           **{n: "i32" for n in ("H", "KV", "stride_pos", "stride_slot", "stride_kh", "stride_ks")},
            **{k: "constexpr" for k in const}}
     names = _skinny_kernel.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig
-             if n not in const and n not in ("M", "n_splits", "eps", "offset")}
+             if n not in const and n not in ("M", "n_splits", "eps", "offset", "H", "KV", "stride_pos", "stride_slot")}
     k = build(ASTSource(_skinny_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
               options=dict(num_warps=4, num_stages=3 if fp32 or M > 16 else 4))
     return k.metadata.shared, "cp.async" in k.asm["ptx"]
@@ -391,53 +436,64 @@ def cases(dev: str, big: bool, g):
     runs (and prints) before the next is drawn."""
     dtypes = [torch.bfloat16, torch.float32] if dev == "cuda" else [torch.float32]
     shapes = [(9, 3, 64), (4, 1, 256), (12, 2, 128)] if big else [(4, 2, 32), (4, 1, 64)]
-    # (rows, N, K, bias, act): odd sizes (masks, splits); on a GPU two of them, then qwen2.5-coder-1.5b's q|k|v,
-    # O, gate|up, down (SiLU; GELU as Gemma's) and LM head at rows that reach each BLOCK_M of the kernel (16, 32,
-    # 64): every compiled variant the model may pick, with as few compiles as cover them (each ~0.5 s)
-    lin = [(1, 37, 300, True, None), (5, 50, 96, False, None), (17, 37, 520, False, "silu"),
-           (33, 20, 300, False, "gelu"), (64, 70, 130, True, None), (16, 16, 64, False, None)]
+    # (bf16 rows, fp32 rows, N, K, bias, act): odd sizes (masks, splits); on a GPU two of them, then
+    # qwen2.5-coder-1.5b's q|k|v, O, gate|up, down (SiLU; GELU as Gemma's) and LM head at rows that reach each
+    # BLOCK_M of the kernel (16, 32, 64) with every flag combination, as few compiles as cover them (each ~0.5 s;
+    # fp32, the lossless checks' dtype, at fewer)
+    lin = [((1,), (1,), 37, 300, True, None), ((5,), (5,), 50, 96, False, None),
+           ((17,), (17,), 37, 520, False, "silu"), ((33,), (33,), 20, 300, False, "gelu"),
+           ((64,), (64,), 70, 130, True, None), ((16,), (16,), 16, 64, False, None)]
     if big:
-        lin = [(17, 37, 520, False, "silu"), (64, 70, 130, True, None)]
-        lin += [((1, 24, 60), 2048, 1536, True, None), ((1, 60), 1536, 1536, False, None),
-                ((1, 24, 60), 17920, 1536, False, None), ((1, 24, 60), 1536, 8960, False, "silu"),
-                ((1, 60), 1536, 8960, False, "gelu"), ((1, 60), 151936, 1536, False, None)]
+        lin = [((17,), (17,), 37, 520, False, "silu"), ((64,), (), 70, 130, True, None),
+               ((1, 24, 60), (1, 60), 2048, 1536, True, None), ((1, 60), (), 1536, 1536, False, None),
+               ((1, 24, 60), (), 17920, 1536, False, None), ((1, 24, 60), (1, 60), 1536, 8960, False, "silu"),
+               ((1, 60), (), 1536, 8960, False, "gelu"), ((1, 60), (60,), 151936, 1536, False, None)]
+    # (bf16 rows, fp32 rows, N, K, bias, delta, offset): the add + RMSNorm in the q|k|v and gate|up prologue
+    nl = [((1,), (1,), 37, 300, True, True, 0.0), ((17,), (17,), 50, 520, False, True, 1.0),
+          ((33,), (33,), 20, 96, False, False, 0.0)]
+    if big:
+        nl = [((17,), (17,), 50, 520, False, True, 1.0), ((1, 24, 60), (1,), 2048, 1536, True, True, 0.0),
+              ((1, 60), (), 17920, 1536, False, True, 0.0), ((1,), (), 2048, 1536, True, False, 1.0)]
+    # (bf16 rows, fp32 rows, H, KV, D, K, bias, delta): + the rotation and KV write in the q|k|v epilogue
+    rq = [((1,), (1,), 4, 2, 32, 128, True, True), ((17,), (17,), 3, 1, 64, 256, False, True),
+          ((5,), (), 2, 1, 16, 64, True, False)]
+    if big:
+        rq = [((1, 24, 60), (1, 60), 12, 2, 128, 1536, True, True), ((1,), (), 9, 3, 64, 576, False, False)]
+    from .triton_layers import skinny_configs
+
+    def configs(m, N, K, dtype):
+        return " ".join(fmt_config(c) for c in skinny_configs(m, N, K, dtype == torch.float32))
+
     for dtype in (torch.bfloat16, torch.float32):  # bf16 under the interpreter too (it rounds bf16 down: in tol)
         dn = str(dtype).removeprefix("torch.")
-        for M, N, K, bias, act in lin:
-            for m in M if isinstance(M, tuple) else [M]:
-                if dtype == torch.float32 and isinstance(M, tuple) and m == 24:
-                    continue  # fp32 is the lossless checks' dtype, not a decode path: fewer compiles
-                from .triton_layers import skinny_configs
-
-                configs = skinny_configs(m, N, K, dtype == torch.float32)
-
+        for rows16, rows32, N, K, bias, act in lin:
+            for m in rows16 if dtype == torch.bfloat16 else rows32:
                 def check(m=m, N=N, K=K, bias=bias, act=act, dtype=dtype):
                     errs = check_linear(dev, dtype, g, m, N, K, bias, act)
                     return max(e for _, e in errs), " ".join(f"{fmt_config(c)}: {e:.1e}" for c, e in errs)
 
                 yield (f"skinny linear M={m} N={N} K={K} bias={bias} act={act} {dn} configs "
-                       f"{' '.join(fmt_config(c) for c in configs)}", TOL[dtype], check)
-    # (rows, N, K, bias, delta, offset): the add + RMSNorm in the q|k|v and gate|up GEMMs' prologue
-    nl = [(1, 37, 300, True, True, 0.0), (17, 50, 520, False, True, 1.0), (33, 20, 96, False, False, 0.0)]
-    if big:
-        nl = [(17, 50, 520, False, True, 1.0), ((1, 24, 60), 2048, 1536, True, True, 0.0),
-              ((1, 60), 17920, 1536, False, True, 0.0), ((1,), 2048, 1536, True, False, 1.0)]
+                       f"{configs(m, N, K, dtype)}", TOL[dtype], check)
     for dtype in (torch.bfloat16, torch.float32):
         dn = str(dtype).removeprefix("torch.")
-        for M, N, K, bias, delta, offset in nl:
-            for m in M if isinstance(M, tuple) else [M]:
-                if dtype == torch.float32 and isinstance(M, tuple) and m == 24:
-                    continue
-                from .triton_layers import skinny_configs
-
-                configs = skinny_configs(m, N, K, dtype == torch.float32)
-
+        for rows16, rows32, N, K, bias, delta, offset in nl:
+            for m in rows16 if dtype == torch.bfloat16 else rows32:
                 def check(m=m, N=N, K=K, bias=bias, delta=delta, offset=offset, dtype=dtype):
                     errs = check_norm_linear(dev, dtype, g, m, N, K, bias, delta, offset)
                     return max(e for _, e in errs), " ".join(f"{fmt_config(c)}: {e:.1e}" for c, e in errs)
 
                 yield (f"norm_linear (add + RMSNorm in the skinny GEMM) M={m} N={N} K={K} bias={bias} add={delta} "
-                       f"offset={offset:g} {dn} configs {' '.join(fmt_config(c) for c in configs)}", TOL[dtype], check)
+                       f"offset={offset:g} {dn} configs {configs(m, N, K, dtype)}", TOL[dtype], check)
+        for rows16, rows32, H, KV, D, K, bias, delta in rq:
+            for m in rows16 if dtype == torch.bfloat16 else rows32:
+                def check(m=m, H=H, KV=KV, D=D, K=K, bias=bias, delta=delta, dtype=dtype):
+                    errs = check_norm_qkv_rope(dev, dtype, g, m, H, KV, D, K, bias, delta)
+                    return max(e for _, e in errs), " ".join(f"{fmt_config(c)}: {e:.1e}" for c, e in errs)
+
+                fits = " ".join(fmt_config(c) for c in skinny_configs(m, (H + 2 * KV) * D, K,
+                                                                      dtype == torch.float32) if D % c[0] == 0)
+                yield (f"norm_linear + rope_cache_write (skinny GEMM) M={m} H={H}/{KV} D={D} K={K} bias={bias} "
+                       f"add={delta} {dn} configs {fits}", TOL[dtype], check)
     for dtype in dtypes:
         tol = TOL[dtype]
         dn = str(dtype).removeprefix("torch.")
@@ -478,15 +534,45 @@ def cases(dev: str, big: bool, g):
                    lambda arch=arch: check_model_batched(dev, dtype, g, arch, D))
 
 
-def run(dev: str, big: bool, only: list[str] | None = None) -> int:
+def selected(name: str, only: list[str] | None) -> bool:
+    return not only or any(o in name for o in only)
+
+
+def warm(dev: str, big: bool, only: list[str] | None, jobs: int) -> None:
+    """Run the skinny GEMM checks (its ~100 compiled variants, ~0.5 s of compiling each) spread over `jobs`
+    processes first, silently: Triton's disk cache keeps what they compile, so the checks after find it built.
+    A worker that fails costs only time (the checks compile what is missing themselves)."""
+    import subprocess
+    import time
+
+    t0 = time.perf_counter()
+    args = [sys.executable, "-m", "plugins.check_layers", "--device", dev] + ([] if big else ["--small"])
+    args += ["--only", *only] if only else []
+    procs = [subprocess.Popen(args + ["--warm", f"{i}/{jobs}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for i in range(jobs)]
+    bad = [p.communicate()[1].strip().splitlines()[-1:] for p in procs if p.wait() != 0]
+    print(f"...   skinny GEMM variants compiled in {jobs} processes in {time.perf_counter() - t0:.0f} s"
+          + (f" ({len(bad)} failed: {bad[0]})" if bad else ""), flush=True)
+
+
+def run(dev: str, big: bool, only: list[str] | None = None, jobs: int = 1, part: tuple[int, int] | None = None) -> int:
     """Each check printed as it finishes (with its seconds: the first use of a kernel variant compiles it); a
-    check still running after 30 s says so every 30 s (a hang shows where it is)."""
+    check still running after 30 s says so every 30 s (a hang shows where it is). jobs > 1: the skinny GEMM's
+    variants are compiled in that many processes first (warm). part (i, n): a warm worker, which runs only
+    every n-th skinny GEMM check from the i-th and prints nothing."""
     import threading
     import time
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         fix_interpreter()
     g = torch.Generator().manual_seed(0)
+    if part is not None:
+        todo = [c for c in cases(dev, big, g) if "skinny" in c[0] and selected(c[0], only)]
+        for _, _, check in todo[part[0]::part[1]]:
+            check()
+        return 0
+    if jobs > 1 and any("skinny" in name and selected(name, only) for name, _, _ in cases(dev, big, g)):
+        warm(dev, big, only, jobs)
     done = fails = 0
     t_all = time.perf_counter()
     now = {"name": None, "t0": 0.0}
@@ -501,7 +587,7 @@ def run(dev: str, big: bool, only: list[str] | None = None) -> int:
     threading.Thread(target=watch, daemon=True).start()
     try:
         for name, tol, check in cases(dev, big, g):
-            if only and not any(o in name for o in only):
+            if not selected(name, only):
                 continue
             now["name"], now["t0"] = name, time.perf_counter()
             got = check()
@@ -526,8 +612,13 @@ def main() -> int:
     p.add_argument("--small", action="store_true", help="small shapes only (the CPU interpreter's)")
     p.add_argument("--only", nargs="+", metavar="TEXT", help="only the checks whose name contains one of these "
                    "(e.g. 'skinny linear', 'attention', 'model')")
+    p.add_argument("--jobs", type=int, default=min(8, (os.cpu_count() or 2) // 2),
+                   help="GPU: processes that compile the skinny GEMM's variants first (1: none)")
+    p.add_argument("--warm", help=argparse.SUPPRESS)  # "i/n": one of warm()'s workers
     a = p.parse_args()
-    return run(a.device, big=a.device == "cuda" and not a.small, only=a.only)
+    part = tuple(int(v) for v in a.warm.split("/")) if a.warm else None
+    return run(a.device, big=a.device == "cuda" and not a.small, only=a.only,
+               jobs=a.jobs if a.device == "cuda" else 1, part=part)
 
 
 if __name__ == "__main__":

@@ -138,8 +138,8 @@ def add_rms_norm(res: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
     """res + delta (delta first normed by delta_w: Gemma's post-norms), and the RMSNorm of that sum by w.
     Returns (new residual, normed). delta None: just the norm of res."""
     if fast(res, delta, w, delta_w):
-        from .triton_layers import add_rms_norm as kernel
-        return kernel(res, delta, w, eps, offset, delta_w)
+        from .triton_layers import add_rms_norm as kernel  # the kernel reads rows densely
+        return kernel(res.contiguous(), None if delta is None else delta.contiguous(), w, eps, offset, delta_w)
     if delta is not None:
         res = res + (rms_norm(delta, delta_w, eps, offset) if delta_w is not None else delta)
     return res, rms_norm(res, w, eps, offset)
@@ -246,43 +246,63 @@ def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a
 
 
 def norm_linear(res: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, offset: float,
-                w: torch.Tensor, bias: torch.Tensor | None = None,
-                delta_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                w: torch.Tensor, bias: torch.Tensor | None = None, delta_w: torch.Tensor | None = None,
+                rope: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm(res, delta, norm_w, eps, offset, delta_w), then linear(normed, w, bias) -> (new residual,
-    out). On CUDA outside autograd, up to SKINNY_ROWS rows and without delta_w (Gemma's post-norms need the
-    delta's own row norm first), the add and the norm ride in the skinny GEMM's prologue
-    (triton_layers.skinny_norm_linear: one launch instead of two or three) where that measured faster than the
-    two calls (norm_linear_choice)."""
-    M = res.shape[0]
-    if (FUSE and delta_w is None and 0 < M <= SKINNY_ROWS and fast(res, delta, norm_w, w, bias) and w.is_contiguous()
-            and res.is_contiguous()
-            and (delta is None or delta.is_contiguous()) and w.numel() < 2 ** 31):
-        from . import triton_layers as tk
-
-        if _FORCE:  # the checks: always the fused kernel (a split config where the shape has one)
-            config = tk.skinny_configs(M, *w.shape, res.dtype == torch.float32)[-1]
-        else:
-            config = norm_linear_choice(res, delta, norm_w, eps, offset, w, bias)["config"]
+    out). rope: rope_cache_write's arguments after qkv (heads, kv_heads, rope, positions, slots, k_cache,
+    v_cache, qk_norm, eps): w is q|k|v, its output goes through rope_cache_write, and out is the rotated q.
+    On CUDA outside autograd, up to SKINNY_ROWS rows and without delta_w (Gemma's post-norms need the delta's
+    own row norm first), the add and the norm ride in the skinny GEMM's prologue, and without Gemma's q/k norms
+    the rotation and the KV-cache write in its epilogue (triton_layers.skinny_norm_linear: one launch instead
+    of two to four), each where that measured faster than the path without it (norm_linear_choice)."""
+    fuse = (FUSE and delta_w is None and 0 < res.shape[0] <= SKINNY_ROWS and fast(res, delta, norm_w, w, bias)
+            and w.is_contiguous() and res.is_contiguous() and (delta is None or delta.is_contiguous())
+            and w.numel() < 2 ** 31)
+    if rope is not None:
+        if fuse and rope[7] is None:
+            config = norm_linear_choice(res, delta, norm_w, eps, offset, w, bias, rope)["config"]
+            if config is not None:
+                from .triton_layers import skinny_norm_linear
+                return skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config, rope[:7])
+        res, qkv = norm_linear(res, delta, norm_w, eps, offset, w, bias, delta_w)
+        return res, rope_cache_write(qkv, *rope)
+    if fuse:
+        config = norm_linear_choice(res, delta, norm_w, eps, offset, w, bias)["config"]
         if config is not None:
-            return tk.skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config)
+            from .triton_layers import skinny_norm_linear
+            return skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config)
     res, h = add_rms_norm(res, delta, norm_w, eps, offset, delta_w)
     return res, linear(h, w, bias)
 
 
-def norm_linear_choice(res, delta, norm_w, eps, offset, w, bias) -> dict:
-    """What `norm_linear` runs for this shape: the fused kernel's fastest config, or None (add_rms_norm then
-    linear, each on its own default path), measured and kept as linear_choice's."""
+def norm_linear_choice(res, delta, norm_w, eps, offset, w, bias, rope=None) -> dict:
+    """What `norm_linear` runs for this shape: the fused kernel's fastest config, or None, measured against the
+    path without the fold (add_rms_norm then linear; with rope: norm_linear's own choice then rope_cache_write)
+    and kept as linear_choice's. Under the checks (layers.path(True)): the last candidate (split where the shape
+    splits), no measurement."""
     from . import triton_layers as tk
 
+    configs = tk.skinny_configs(res.shape[0], *w.shape, res.dtype == torch.float32)
+    if rope is not None:
+        configs = [c for c in configs if tk.rope_fits(c, rope[5].shape[-1])]
+        if not configs:
+            return {"config": None}
+    if _FORCE:
+        return {"config": configs[-1]}
+
     def ref():
-        r, h = add_rms_norm(res, delta, norm_w, eps, offset)
-        return linear(h, w, bias)
+        if rope is not None:
+            return rope_cache_write(norm_linear(res, delta, norm_w, eps, offset, w, bias)[1], *rope)
+        return linear(add_rms_norm(res, delta, norm_w, eps, offset)[1], w, bias)
 
-    return _choice(res, w, bias is not None, "norm+add" if delta is not None else "norm", ref,
-                   lambda config: tk.skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config)[1])
+    def kernel(config):
+        return tk.skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config, rope and rope[:7])[1]
+
+    kind = ("norm+add" if delta is not None else "norm") + (f"+rope D={rope[5].shape[-1]}" if rope is not None else "")
+    return _choice(res, w, bias is not None, kind, ref, kernel, configs if rope is not None else None)
 
 
-def _choice(x, w, has_bias: bool, kind: str | None, ref, kernel) -> dict:
+def _choice(x, w, has_bias: bool, kind: str | None, ref, kernel, configs=None) -> dict:
     M = x.shape[0]
     key = (x.device, *w.shape, 1 << (M - 1).bit_length(), x.dtype, has_bias, kind)
     got = _LINEAR.get(key)
@@ -294,7 +314,7 @@ def _choice(x, w, has_bias: bool, kind: str | None, ref, kernel) -> dict:
             return got
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return {"config": None}
-        got = _LINEAR[key] = _measure(x, w, ref, kernel)
+        got = _LINEAR[key] = _measure(x, w, ref, kernel, configs)
         if got.pop("measured", False):
             _remember(disk, got)
     return got
@@ -363,7 +383,7 @@ def _remember(disk_key: str, got: dict) -> None:
         warnings.warn(f"linear choices not saved to {path}: {e}")
 
 
-def _measure(x, w, ref, kernel) -> dict:
+def _measure(x, w, ref, kernel, configs=None) -> dict:
     """Time ref() (the path without the skinny GEMM) and kernel(config) for each skinny config on this very input,
     L2 flushed before each replay (a decode step finds its weights cold); a config must also match ref's output.
     Any failure: ref."""
@@ -376,7 +396,8 @@ def _measure(x, w, ref, kernel) -> dict:
         want = ref()
         res["torch_us"] = _replay_us(ref, flush)
         tol = 1e-4 if x.dtype == torch.float32 else 1e-2
-        for config in tk.skinny_configs(x.shape[0], *w.shape, x.dtype == torch.float32, props.multi_processor_count):
+        for config in configs or tk.skinny_configs(x.shape[0], *w.shape, x.dtype == torch.float32,
+                                                   props.multi_processor_count):
             def fn(config=config):
                 return kernel(config)
 

@@ -8,8 +8,9 @@ Per layer: add+RMSNorm, [QKV GEMM], rotary+cache write, attention (+ a combine w
 [O GEMM], add+RMSNorm, [gate|up GEMM], activation, [down GEMM]: 9-10 launches. The bracketed GEMMs are cuBLAS
 or, at 1-64 rows where it measured faster, the skinny GEMM below (one launch, split K included); its down
 projection applies the activation itself, and its q|k|v and gate|up projections can take the add + RMSNorm
-before them into their prologue (skinny_norm_linear), each fold one launch fewer: 6 launches a layer when
-every fold is picked."""
+before them into their prologue and q|k|v the rotation + KV write after it into its epilogue
+(skinny_norm_linear), each fold one launch fewer: 5 launches a layer (+ attention's combine) when every fold
+is picked."""
 from __future__ import annotations
 
 import os
@@ -289,18 +290,30 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
 # column block only), weights it by the norm's (offset + w) and sums the rows' squares; 1 / rms scales the output
 # at the end (after the split sum when K is split: a row's norm needs all of K), so nothing waits for a separate
 # norm launch. It differs from add_rms_norm + GEMM only in rounding: the
-# normed row is not rounded before the 1 / rms scale. layers.linear / layers.norm_linear pick a config (or the
-# unfused path) per shape by measurement.
+# normed row is not rounded before the 1 / rms scale. ROPE (with NORM, q|k|v only) folds rope_cache_write into
+# the epilogue: a column block is BLOCK_N / 2 columns of one head's first half and their partners of its second
+# half, so the program (the last split's) rounds the sums as the q|k|v output is rounded, rotates q and k heads,
+# and writes q out and k, v into the cache slots; the q|k|v output itself is never written. layers.linear /
+# layers.norm_linear pick a config (or the unfused path) per shape by measurement.
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_ptr, sq_ptr, cnt_ptr, M, N, K,
-                   k_split, n_splits, stride_xm, eps, offset, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                   GELU: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_ptr, sq_ptr, cnt_ptr,
+                   cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, M, N, K, k_split, n_splits, stride_xm,
+                   eps, offset, H, KV, stride_pos, stride_slot, stride_kh, stride_ks,
+                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU: tl.constexpr, SPLIT: tl.constexpr,
+                   NORM: tl.constexpr, HAS_DELTA: tl.constexpr, ROPE: tl.constexpr, HEAD_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:  # a column block holds BLOCK_N / 2 columns of one head's first half and the matching ones of its
+        # second half (the rotation's pairs), so the epilogue can rotate them
+        head = pid_n // (HEAD_D // BLOCK_N)
+        j0 = (pid_n % (HEAD_D // BLOCK_N)) * (BLOCK_N // 2)
+        i = tl.arange(0, BLOCK_N)
+        rn = head * HEAD_D + j0 + i % (BLOCK_N // 2) + (i >= BLOCK_N // 2).to(tl.int32) * (HEAD_D // 2)
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
     k_lo = pid_k * k_split
@@ -357,7 +370,31 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_pt
             acc = acc * tl.rsqrt(sq / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        if ROPE:  # rotate q and k (rounded first, as the q|k|v output is), write q out and k, v into the cache
+            dtype = q_ptr.dtype.element_ty
+            pairs = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
+            x1, x2 = tl.split(pairs)  # [BLOCK_M, BLOCK_N / 2]: first-half columns, their second-half partners
+            half = j0 + tl.arange(0, BLOCK_N // 2)
+            pos = tl.load(pos_ptr + rm * stride_pos, mask=m_ok, other=0)
+            c = tl.load(cos_ptr + pos[:, None] * (HEAD_D // 2) + half[None, :], mask=m_ok[:, None], other=0.0)
+            sn = tl.load(sin_ptr + pos[:, None] * (HEAD_D // 2) + half[None, :], mask=m_ok[:, None], other=0.0)
+            is_v = head >= H + KV
+            y1 = tl.where(is_v, x1, x1 * c - x2 * sn).to(dtype)
+            y2 = tl.where(is_v, x2, x2 * c + x1 * sn).to(dtype)
+            slot = tl.load(slot_ptr + rm * stride_slot, mask=m_ok, other=0)
+            kvh = tl.where(is_v, head - H - KV, head - H)
+            cache = kvh * stride_kh + slot[:, None] * stride_ks + half[None, :]
+            q_at = q_ptr + (rm[:, None] * H + head) * HEAD_D + half[None, :]
+            row_ok = m_ok[:, None]
+            q_ok, k_ok, v_ok = row_ok & (head < H), row_ok & (head >= H) & (head < H + KV), row_ok & is_v
+            tl.store(q_at, y1, mask=q_ok)
+            tl.store(q_at + HEAD_D // 2, y2, mask=q_ok)
+            tl.store(k_ptr + cache, y1, mask=k_ok)
+            tl.store(k_ptr + cache + HEAD_D // 2, y2, mask=k_ok)
+            tl.store(v_ptr + cache, y1, mask=v_ok)
+            tl.store(v_ptr + cache + HEAD_D // 2, y2, mask=v_ok)
+        else:
+            tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def skinny_configs(M: int, N: int, K: int, fp32: bool, sms: int = 132) -> list[tuple[int, int, int]]:
@@ -379,14 +416,21 @@ def skinny_linear(x, w, bias, act, config):
     return _skinny(x, w, bias, act, config)
 
 
-def skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config):
-    """RMSNorm(res + delta) by norm_w (scaled by offset + w, as add_rms_norm) @ w^T (+ bias) in one launch (two
-    when K is split) -> (res + delta, out); delta None: (res, RMSNorm(res) @ w^T)."""
+def skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config, rope=None):
+    """RMSNorm(res + delta) by norm_w (scaled by offset + w, as add_rms_norm) @ w^T (+ bias) in one launch ->
+    (res + delta, out); delta None: (res, RMSNorm(res) @ w^T). rope (heads, kv_heads, (cos, sin), positions,
+    slots, k_cache, v_cache): w is q|k|v and the launch also does rope_cache_write's work (without Gemma's q/k
+    norms): out is then the rotated q [M, heads, D], k and v written into the cache."""
     import torch
 
     assert res.is_contiguous() and (delta is None or delta.is_contiguous()) and res.shape[1] == w.shape[1]
     new_res = torch.empty_like(res) if delta is not None else res
-    return new_res, _skinny(res, w, bias, None, config, (delta, norm_w, eps, offset, new_res))
+    return new_res, _skinny(res, w, bias, None, config, (delta, norm_w, eps, offset, new_res), rope)
+
+
+def rope_fits(config, head_dim: int) -> bool:
+    """Whether a config's column blocks tile the heads (the rotation's pairs in one program)."""
+    return head_dim % config[0] == 0
 
 
 _COUNTERS: dict = {}  # device -> the split launches' counters, one per column block (int32 zeros; every launch
@@ -404,7 +448,7 @@ def _counters(device):
     return cnt
 
 
-def _skinny(x, w, bias, act, config, norm=None):
+def _skinny(x, w, bias, act, config, norm=None, rope=None):
     import torch
 
     from .layers import SKINNY_ROWS
@@ -426,10 +470,20 @@ def _skinny(x, w, bias, act, config, norm=None):
     sq = torch.empty(splits, tiles, M, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 \
         else part
     ieee = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    if rope is not None:
+        heads, kv_heads, (cos, sin), positions, slots, k_cache, v_cache = rope
+        D = k_cache.shape[-1]
+        assert N == (heads + 2 * kv_heads) * D and rope_fits(config, D) and k_cache.stride() == v_cache.stride()
+        assert k_cache.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+        q = torch.empty(M, heads, D, dtype=x.dtype, device=x.device)
+        rope_args = (cos, sin, positions, slots, q, k_cache, v_cache)
+        rope_ints = (heads, kv_heads, positions.stride(0), slots.stride(0), k_cache.stride(0), k_cache.stride(1))
+    else:
+        D, q, rope_args, rope_ints = 16, out, (out,) * 7, (0,) * 6
     _skinny_kernel[(tiles, splits)](
-        x, w, b, out, part, delta if delta is not None else x, norm_w, new_res, sq, cnt, M, N, K, k_split, splits,
-        x.stride(0), eps, offset, HAS_BIAS=bias is not None, ACT=act is not None, GELU=act == "gelu",
-        SPLIT=splits > 1, NORM=norm is not None, HAS_DELTA=delta is not None,
-        BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4,
-        num_stages=3 if x.dtype == torch.float32 or M > 16 else 4)
-    return out
+        x, w, b, out, part, delta if delta is not None else x, norm_w, new_res, sq, cnt, *rope_args, M, N, K,
+        k_split, splits, x.stride(0), eps, offset, *rope_ints, HAS_BIAS=bias is not None, ACT=act is not None,
+        GELU=act == "gelu", SPLIT=splits > 1, NORM=norm is not None, HAS_DELTA=delta is not None,
+        ROPE=rope is not None, HEAD_D=D, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n,
+        BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3 if x.dtype == torch.float32 or M > 16 else 4)
+    return q if rope is not None else out

@@ -264,7 +264,9 @@ import json, sys
 from plugins.check_layers import fix_interpreter
 fix_interpreter()
 from trtllm_microspec.data import sharegpt_conversations
+from trtllm_microspec.train import fused_ce
 from trtllm_microspec.train.train_draft import train
+fused_ce.BLOCK = 16384  # 3 kernel steps a row at smollm2's 49,152 ids: the interpreter's cost is per step
 convs = [[{**m, "content": m["content"][:100]} for m in c[:2]] for c in sharegpt_conversations(4)]
 kw = dict(max_len=160, steps=2, lr=1e-3, batch_tokens=160, seed=3, device="cpu", save_every=0, heldout=0.25)
 print(json.dumps({loss: train(sys.argv[1], sys.argv[2] + "/" + loss, data=convs, loss=loss, **kw)

@@ -28,6 +28,7 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
     fused = [l for l in lines if l.startswith("PASS") and "norm_linear" in l]  # the add + RMSNorm prologue
     assert all(any(w in l for l in fused) for w in ("bfloat16", "float32", "add=True", "add=False", "offset=1"))
     assert any("/2" in l.split("configs")[1] for l in fused)  # split K: the row norms summed over the splits
+    assert any("rope_cache_write (skinny" in l and "/2" in l.split("configs")[1] for l in fused)  # + the rotation
 
 
 def test_linear_choices_are_kept_across_processes(tmp_path, monkeypatch):
@@ -59,16 +60,17 @@ def test_linear_choices_are_kept_across_processes(tmp_path, monkeypatch):
         assert layers.linear_choice(x, w, None, None)["config"] is None
 
 
-@pytest.mark.parametrize("M, fp32, act, norm", [(1, False, True, False), (60, True, True, False),
-                                                 (60, False, False, False), (1, False, False, True),
-                                                 (60, False, False, True)])
-def test_skinny_gemm_builds_for_hopper_with_a_pipelined_k_loop(M, fp32, act, norm):
+@pytest.mark.parametrize("M, fp32, act, norm, rope", [(1, False, True, False, False), (60, True, True, False, False),
+                                                       (60, False, False, False, False), (1, False, False, True, False),
+                                                       (60, False, False, True, True), (1, False, False, True, True)])
+def test_skinny_gemm_builds_for_hopper_with_a_pipelined_k_loop(M, fp32, act, norm, rope):
     """Every config the GPU may measure compiles for sm_90 (no GPU needed), streams its weight through cp.async
     (a K loop that is not pipelined would leave the skinny GEMM latency-bound) and fits in shared memory; with
-    the down projection's activation or the add + RMSNorm in its prologue too."""
+    the down projection's activation or the add + RMSNorm in its prologue, the rotation + KV write in its
+    epilogue too."""
     from plugins.check_layers import build_skinny_for_hopper
     from plugins.triton_layers import skinny_configs
 
     for config in skinny_configs(M, 1536, 8960, fp32):
-        smem, pipelined = build_skinny_for_hopper(M, config, fp32, act, bias=True, norm=norm)
+        smem, pipelined = build_skinny_for_hopper(M, config, fp32, act, bias=True, norm=norm, rope=rope)
         assert pipelined and smem <= 160 * 1024, (config, smem)

@@ -294,10 +294,11 @@ def count_kernels(fn) -> int:
 
 
 def fused_ab(cfg: dict, rows: list[int], timer: "Timer", tag: str = "") -> list[dict]:
-    """The fold of the residual add + RMSNorm into the q|k|v and gate|up GEMMs (layers.norm_linear) against
-    add_rms_norm then linear (each on its default path), per projection: unfused, the fastest fused config, the
-    default (the fold where it measured >= 3% faster at first use); then one whole decoder layer at CONTEXT
-    committed tokens with the fold allowed (the default) and switched off (layers.FUSE): us and kernels."""
+    """The fold of the residual add + RMSNorm into the q|k|v and gate|up GEMMs (layers.norm_linear), and of the
+    rotation + KV write into q|k|v's too, against the separate launches (add_rms_norm, linear, rope_cache_write,
+    each on its default path): unfused, the fastest fused config, the default (a fold where it measured >= 3%
+    faster at first use); then one whole decoder layer at CONTEXT committed tokens with the folds allowed (the
+    default) and switched off (layers.FUSE): us and kernels."""
     from plugins import layers
     from plugins import triton_layers as tk
 
@@ -325,7 +326,7 @@ def fused_ab(cfg: dict, rows: list[int], timer: "Timer", tag: str = "") -> list[
                  fused_pct=fused and 100 * nbytes / fused / 1e6 / (PEAK_BW / 1e12),
                  unfused_pct=100 * nbytes / unfused / 1e6 / (PEAK_BW / 1e12), kernels=kernels)
         out.append(r)
-        print(f"{tag}rows {M:3d} {piece:28s} unfused {unfused:7.1f} us | fused {_us(fused)} "
+        print(f"{tag}rows {M:3d} {piece:41s} unfused {unfused:7.1f} us | fused {_us(fused)} "
               f"{cfg_best and tuple(cfg_best)} | default {default:7.1f} us ({runs})"
               + (f" | kernels {kernels}" if kernels else ""), flush=True)
 
@@ -350,7 +351,30 @@ def fused_ab(cfg: dict, rows: list[int], timer: "Timer", tag: str = "") -> list[
                         if M <= layers.SKINNY_ROWS else None)
                 row(M, piece, t_unfused, best, best_cfg, t_default, f"fused {tuple(pick)}" if pick else "unfused",
                     nbytes)
+            # the q|k|v projection with the norm before it and the rotation + KV write after it, in one launch
+            nw, w, b = fold[0][1:]
             pos = CONTEXT + torch.arange(M, device=dev)
+            rope_args = at.rope_args(rope, pos, pos, None, k_pos, 0, k, v)
+            nbytes = (w.numel() + b.numel() + 3 * res.numel() + M * w.shape[0]) * 2
+
+            def unfused():
+                h = layers.add_rms_norm(res, delta, nw, mc.rms_norm_eps, 0.0)[1]
+                return layers.rope_cache_write(layers.linear(h, w, b), *rope_args)
+
+            t_unfused = timer(unfused)
+            best, best_cfg = None, None
+            for c in tk.skinny_configs(M, *w.shape, False) if M <= layers.SKINNY_ROWS else []:
+                if tk.rope_fits(c, mc.head_dim):
+                    us = timer(lambda c=c: tk.skinny_norm_linear(res, delta, nw, mc.rms_norm_eps, 0.0, w, b, c,
+                                                                 rope_args[:7]))
+                    if best is None or us < best:
+                        best, best_cfg = us, c
+            t_default = timer(lambda: layers.norm_linear(res, delta, nw, mc.rms_norm_eps, 0.0, w, b,
+                                                         rope=rope_args))
+            pick = (layers.norm_linear_choice(res, delta, nw, mc.rms_norm_eps, 0.0, w, b, rope_args)["config"]
+                    if M <= layers.SKINNY_ROWS else None)
+            row(M, "add + RMSNorm + q|k|v + rotary + KV write", t_unfused, best, best_cfg, t_default,
+                f"fused {tuple(pick)}" if pick else "not folded", nbytes)
             span = Span(torch.tensor(CONTEXT, device=dev), causal(M, dev), CONTEXT + M)
             args = (rope, pos, pos, span, k_pos, 0, k, v)
             nbytes = sum(p.numel() * 2 for p in block.parameters()) + 2 * k[:, :CONTEXT + M].numel() * 2
@@ -425,9 +449,10 @@ def layers_ab(a, timer: Timer) -> None:
              ""]
     for name in a.shapes:
         lines += [f"## {name}", ""] + projection_lines([r for r in rows if r["shape"] == name]) + [""]
-        lines += [f"The residual add + RMSNorm folded into the next GEMM (layers.norm_linear) vs add_rms_norm then "
-                  f"linear, and one decoder layer ({CONTEXT} committed tokens) with the fold switched off vs the "
-                  f"default:", ""] + fused_lines([r for r in fused if r["shape"] == name]) + [""]
+        lines += [f"The residual add + RMSNorm folded into the next GEMM, and the rotation + KV write into q|k|v's "
+                  f"(layers.norm_linear), vs the separate launches, and one decoder layer ({CONTEXT} committed tokens) "
+                  f"with the folds switched off vs the default:", ""]
+        lines += fused_lines([r for r in fused if r["shape"] == name]) + [""]
     write_report(a.out, "\n".join(lines), dict(meta=meta, rows=rows, fused=fused))
 
 

@@ -140,13 +140,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, gemma=True)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, gemma=True)
 
-    def forward(self, qkv, rope, positions, slots, span, k_pos, window, k_cache, v_cache):
-        """qkv: the output of qkv_proj (the block runs it, with the norm before it in its prologue)."""
+    def rope_args(self, rope, positions, slots, span, k_pos, window, k_cache, v_cache) -> tuple:
+        """layers.rope_cache_write's arguments after qkv, from the block's attention arguments."""
         qk_norm = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
-        q = layers.rope_cache_write(qkv, self.h, self.kv, rope, positions, slots, k_cache, v_cache,
-                                    qk_norm, self.eps)
+        return self.h, self.kv, rope, positions, slots, k_cache, v_cache, qk_norm, self.eps
+
+    def forward(self, q, rope, positions, slots, span, k_pos, window, k_cache, v_cache):
+        """q: rotated, k and v written (the block runs q|k|v with the norm before it and the rotation after it,
+        layers.norm_linear)."""
         o = layers.attention(q, k_cache, v_cache, span, positions, k_pos, window, self.scale)
-        o = layers.linear(o.reshape(qkv.shape[0], self.h * self.d), self.o_proj.weight)
+        o = layers.linear(o.reshape(q.shape[0], self.h * self.d), self.o_proj.weight)
         return parallel.all_reduce(o) if self.reduce else o
 
 
@@ -191,15 +194,17 @@ class Block(nn.Module):
         return None if n is None else n.weight
 
     def forward(self, res, delta, delta_norm, attn_args):
-        """Each add + RMSNorm runs with the projection after it (layers.norm_linear: in the skinny GEMM's prologue
-        where that measured faster; Gemma's delta, normed first, takes add_rms_norm + the projection)."""
+        """Each add + RMSNorm runs with the projection after it, and q|k|v with the rotation + KV write after it
+        (layers.norm_linear: in the skinny GEMM's prologue / epilogue where that measured faster; Gemma's delta,
+        normed first, takes add_rms_norm + the projection, its q/k norms rope_cache_write)."""
         norm, at, mlp = self.post_attention_layernorm, self.self_attn, self.mlp
+        rope = at.rope_args(*attn_args)
         if hasattr(self, "input_layernorm"):
-            res, qkv = layers.norm_linear(res, delta, self.input_layernorm.weight, norm.eps, norm.offset,
-                                          at.qkv_proj.weight, at.qkv_proj.bias, delta_norm)
+            res, q = layers.norm_linear(res, delta, self.input_layernorm.weight, norm.eps, norm.offset,
+                                        at.qkv_proj.weight, at.qkv_proj.bias, delta_norm, rope)
         else:  # the draft layer: its input is the fc output, unnormed
-            qkv = layers.linear(res, at.qkv_proj.weight, at.qkv_proj.bias)
-        a = at(qkv, *attn_args)
+            q = layers.rope_cache_write(layers.linear(res, at.qkv_proj.weight, at.qkv_proj.bias), *rope)
+        a = at(q, *attn_args)
         gemma = hasattr(self, "pre_feedforward_layernorm")  # a is normed by the post-attention norm first
         res, gate_up = layers.norm_linear(res, a, (self.pre_feedforward_layernorm if gemma else norm).weight,
                                           norm.eps, norm.offset, mlp.gate_up_proj.weight, None,

@@ -84,9 +84,10 @@ class Eagle3Layer(nn.Module):
     def forward(self, x: torch.Tensor, emb: torch.Tensor, attn_args) -> torch.Tensor:
         h = self.hidden_norm(x)
         at, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
-        # the layer runs its projections (Attention and MLP take their outputs), as models/model.py's Block does
-        a = at(layers.linear(torch.cat([self.input_layernorm(emb), h], -1), at.qkv_proj.weight, at.qkv_proj.bias),
-               *attn_args)
+        # the layer runs its projections and the rotation + KV write (Attention takes the rotated q, MLP gate|up),
+        # as models/model.py's Block does
+        qkv = layers.linear(torch.cat([self.input_layernorm(emb), h], -1), at.qkv_proj.weight, at.qkv_proj.bias)
+        a = at(layers.rope_cache_write(qkv, *at.rope_args(*attn_args)), *attn_args)
         res, gate_up = layers.norm_linear(h if self.norm_before_residual else x, a, norm.weight, norm.eps,
                                           norm.offset, mlp.gate_up_proj.weight, None)
         return res + mlp(gate_up)

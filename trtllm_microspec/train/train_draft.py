@@ -220,13 +220,14 @@ def target_features(target: Transformer, packs: list[Pack], desc: str, until: fl
                unit_scale=True, dynamic_ncols=True)
     done = 0
     for p in packs:
-        if p.feats is None:
-            T = len(p.tokens)
-            slots = torch.arange(T, device=p.tokens.device)
-            p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
-            p.aux = target.tapped if target.taps else None
-        bar.update(p.real)
         done += 1
+        if p.feats is not None:
+            continue
+        T = len(p.tokens)
+        slots = torch.arange(T, device=p.tokens.device)
+        p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
+        p.aux = target.tapped if target.taps else None
+        bar.update(p.real)
         if perf_counter() > until:
             break
     _sync(packs[0].tokens.device)
@@ -340,15 +341,16 @@ def _autocast(device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack]) -> dict:
-    """Held-out depth-1 loss and top-1 accuracy at depths 1..EVAL_DEPTHS."""
+def evaluate(draft: EagleDraft, target: Transformer, packs: list[Pack], ce=SoftCE) -> dict:
+    """Held-out depth-1 loss and top-1 accuracy at depths 1..EVAL_DEPTHS, over the whole vocabulary (ce: SoftCE,
+    or FusedSoftCE, the same loss, for --loss fused: it then compiles nothing the training did not)."""
     draft.eval()
     sums = np.zeros((EVAL_DEPTHS, 4))  # feature loss, token loss, correct, positions
     for p in packs:
         # the torch path, as in training: the draft's fp32 weights under autocast are not the one-dtype
         # inference case the Triton kernels serve
         with _autocast(p.tokens.device), layers.path(False):
-            sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None)]
+            sums += [[float(x) for x in step] for step in pack_losses(draft, target, p, EVAL_DEPTHS, None, None, ce)]
     draft.train()
     n = np.maximum(sums[:, 3], 1.0)
     return {"loss": float((sums[0, 0] + ce_weight(draft) * sums[0, 1]) / n[0]),
@@ -658,7 +660,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         opt.load_state_dict(state["opt"])
         start, plan = state["step"], state["plan"]
     t_eval = perf_counter()
-    before = evaluate(draft, target, held_packs)
+    before = evaluate(draft, target, held_packs, ce)
     # the held-out evaluation after training costs what this one did: the training stops early by that much, so
     # the command (evaluation and saving included) ends by --time-limit
     deadline = t0 + time_limit - (perf_counter() - t_eval) if time_limit is not None else math.inf
@@ -708,7 +710,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
             break
     train_s = bar.format_dict["elapsed"]
     _close(bar, seen)
-    after = evaluate(draft, target, held_packs)
+    after = evaluate(draft, target, held_packs, ce)
     if arch == "eagle3":
         save_draft3(draft, out, _target_record(engine_dir), "trained here")
     else:
