@@ -81,7 +81,7 @@ def served(engine_dir, random_draft_dir):
     """`microspec serve --openai-port` as a user starts it, once for the module."""
     http_port, grpc, metrics, port = free_ports(4)
     cmd = [sys.executable, "-m", "trtllm_microspec.cli", "serve", "--engine", str(engine_dir), "--draft",
-           str(random_draft_dir), "--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), *SMALL_TREE,
+           str(random_draft_dir), "--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), *SMALL_TREE, "--spec-policy", "fixed",
            "--max-batch", str(MAX_BATCH), "--max-queue-size", str(MAX_QUEUE), "--http-port", str(http_port),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(port)]
     err = tempfile.NamedTemporaryFile("w+", prefix="serve-stderr-", suffix=".txt")
@@ -128,7 +128,7 @@ def offline(engine_dir, random_draft_dir):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # the other core is the server's
     yield Offline(LLM(engine_dir, method="microspec", draft=random_draft_dir, device="cpu", max_seq_len=MAX_SEQ_LEN,
-                      depth=3, top_k=8, total_tokens=16))
+                      depth=3, top_k=8, total_tokens=16, spec_policy="fixed"))
     torch.set_num_threads(n)
 
 

@@ -54,8 +54,10 @@ def free_ports(n: int) -> list[int]:
 
 
 def serve_args(engine_dir, draft_dir, *extra) -> list[str]:
+    # --spec-policy fixed: these tests compare the server's round statistics with the offline ones; on a CPU the
+    # auto policy may decode plainly (no rounds), which tests/test_policy.py covers
     return ["serve", "--engine", str(engine_dir), "--draft", str(draft_dir), "--device", "cpu",
-            "--max-seq-len", str(MAX_SEQ_LEN), *SMALL_TREE, *extra]
+            "--max-seq-len", str(MAX_SEQ_LEN), *SMALL_TREE, "--spec-policy", "fixed", *extra]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,7 +87,7 @@ def server(args, tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(args):
     llm = LLM(args.engine, method=args.method, draft=args.draft, device="cpu", max_seq_len=MAX_SEQ_LEN,
-              depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
+              depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens, spec_policy=args.spec_policy)
     cache = {}
 
     def reference(prompt: str, max_tokens: int = MAX_TOKENS):
