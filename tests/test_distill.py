@@ -209,13 +209,25 @@ def test_one_command_distills_then_trains(engine_dir, tmp_path, capsys):
     assert r["data"] == "distilled" and r["steps"] == 1 and (tmp_path / "distilled" / MANIFEST).exists()
 
 
-def test_distill_releases_its_engine(engine_dir, convs, tmp_path):
-    """train-draft caches features where distill's engine was: nothing of it (its KV pool) may stay alive."""
+def test_distill_releases_its_engine(engine_dir, convs, tmp_path, monkeypatch):
+    """train-draft caches features where distill's engine was: nothing of it (its KV pool) may stay alive. Only the
+    engine distill made is watched: other tests' LLMs may live on in the same process."""
     import gc
+    import weakref
 
+    import trtllm_microspec.llm as llm_module
+
+    made = []
+
+    class Watched(llm_module.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(llm_module, "LLM", Watched)  # distill imports it from there when it runs
     distill(engine_dir, tmp_path, turns=1, max_tokens=2, device="cpu", data=convs[:1])
     gc.collect()
-    assert not [o for o in gc.get_objects() if type(o) is LLM]
+    assert len(made) == 1 and made[0]() is None
 
 
 def test_time_limit_alone_is_the_recipe(engine_dir, tmp_path, capsys):
