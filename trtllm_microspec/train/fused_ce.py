@@ -24,6 +24,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .train_draft import SoftCE  # the contract and backward this kernel's forward serves
+
 try:
     import triton
     import triton.language as tl
@@ -90,9 +92,9 @@ def available(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-class FusedSoftCE(torch.autograd.Function):
-    """SoftCE's contract (train_draft): (sum of the soft CE over rows, rows whose argmaxes agree), the input
-    gradient computed in the forward a chunk of rows at a time; the softmax part in `_soft_ce_rows`."""
+class FusedSoftCE(SoftCE):
+    """SoftCE's contract and backward (train_draft): (sum of the soft CE over rows, rows whose argmaxes agree), the
+    input gradient computed in the forward a chunk of rows at a time; here the softmax part is `_soft_ce_rows`."""
 
     @staticmethod
     def forward(ctx, h, weight, want):
@@ -113,11 +115,6 @@ class FusedSoftCE(torch.autograd.Function):
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
         return loss, correct
-
-    @staticmethod
-    def backward(ctx, g, _):
-        (grad,) = ctx.saved_tensors
-        return g * grad, None, None
 
 
 def check(device: str, shapes) -> int:
