@@ -135,6 +135,46 @@ def check_window_update() -> str:
     return f"{len(cases)} windows, {steps} steps, state compared after each"
 
 
+def check_rows_ops() -> str:
+    """ops.unique_first_rows and ops.window_update_rows (a leading window dimension, one CUDA block per row) on
+    the GPU against the CPU reference, and each row against the single-window op on its window alone: appends to
+    a random subset of the windows in random order, longer than W and empty ones, padding rows (all -1) that
+    repeat one window; state, outputs and every window compared after each step."""
+    g = torch.Generator().manual_seed(7)
+    V, W, pinned, S, steps = 3000, 64, [0, 2999], 6, 12
+    alone = [new_window(V, W, pinned) for _ in range(S)]
+    cpu = {k: torch.stack([w[k] for w in alone]).reshape(S, -1).squeeze(1) if k == "head" else
+           torch.stack([w[k] for w in alone]) for k in STATE}
+    gpu = {k: v.to(DEV, copy=True) for k, v in cpu.items()}
+    for step in range(steps):
+        real = torch.randperm(S - 1, generator=g)[:1 + step % (S - 1)]  # window S-1: the padding rows'
+        n = [0, 5, 80, 200][step % 4]
+        pads = step % 3
+        batch = torch.cat([real, torch.full((pads,), S - 1)])
+        ids = torch.stack([stream_ids(g, V, n, 0.1) for _ in real] + [torch.full((n,), -1)] * pads) \
+            if len(batch) else torch.zeros(0, n, dtype=torch.long)
+        where = f"step {step} (B={len(batch)}, n={n})"
+        first_c, first_g = torch.full((S, V + 1), ops.BIG), torch.full((S, V + 1), ops.BIG, device=DEV)
+        want_u = ops.unique_first_rows(ids, first_c, batch)
+        errs = [diff(f"{where}: unique_first_rows", ops.unique_first_rows(ids.to(DEV), first_g, batch.to(DEV)),
+                     want_u), diff(f"{where}: unique_first_rows scratch", first_g, first_c)]
+        errs += [diff(f"{where}: unique_first_rows row {b}", want_u[b],
+                      ops.unique_first(ids[b], torch.full((V + 1,), ops.BIG))) for b in range(len(real))]
+        want = ops.window_update_rows(*(cpu[k] for k in STATE), ids, batch)
+        got = ops.window_update_rows(*(gpu[k] for k in STATE), ids.to(DEV), batch.to(DEV))
+        errs += [diff(f"{where}: {name}", got[i], want[i]) for i, name in enumerate(("ids", "slots"))]
+        errs += [diff(f"{where}: {k}", gpu[k], cpu[k]) for k in STATE]
+        for b, w in enumerate(real.tolist()):
+            one = ops.window_update(*(alone[w][k] for k in STATE), ids[b])
+            errs += [diff(f"{where}: row {b} {name} vs alone", want[i][b], one[i]) for i, name in
+                     enumerate(("ids", "slots"))]
+        errs += [diff(f"{where}: window {w}: {k} vs alone", cpu[k][w].reshape(-1), alone[w][k].reshape(-1))
+                 for w in range(S) for k in STATE]
+        if any(errs):
+            raise AssertionError(next(e for e in errs if e))
+    return f"{S} windows, {steps} steps (padding rows, empty appends), vs the CPU and each window alone"
+
+
 def check_gather_rows() -> str:
     g = torch.Generator().manual_seed(2)
     # (V, d, dtype, R, n rows, padded rows): the model widths, a full 3k refill, an odd row size that takes
@@ -295,6 +335,7 @@ def check_batch_window() -> str:
 
 
 CHECKS = [("unique_first", check_unique_first), ("window_update", check_window_update),
+          ("unique_first_rows, window_update_rows", check_rows_ops),
           ("gather_rows", check_gather_rows), ("packed_head, exact inputs", check_packed_head_exact),
           ("packed_head vs reference, random", check_packed_head_random), ("CUDA graph replay", check_graph),
           ("batched window", check_batch_window)]

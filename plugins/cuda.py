@@ -48,6 +48,12 @@ def register() -> None:
     def window_update(ring, head, count, slot_of, id_of, first, new_ids):
         return ext.window_update(ring, head, count, slot_of, id_of, first, new_ids)
 
+    def unique_first_rows(ids, first, batch):
+        return ext.unique_first_rows(ids, first, batch)
+
+    def window_update_rows(ring, head, count, slot_of, id_of, first, new_ids, batch):
+        return ext.window_update_rows(ring, head, count, slot_of, id_of, first, new_ids, batch)
+
     def gather_rows(src, ids, dst, slots):
         ext.gather_rows(src, ids, dst, slots)
 
@@ -60,5 +66,7 @@ def register() -> None:
 
     ops.unique_first.register_kernel("cuda")(unique_first)
     ops.window_update.register_kernel("cuda")(window_update)
+    ops.unique_first_rows.register_kernel("cuda")(unique_first_rows)
+    ops.window_update_rows.register_kernel("cuda")(window_update_rows)
     ops.gather_rows.register_kernel("cuda")(gather_rows)
     ops.packed_head.register_kernel("cuda")(packed_head)

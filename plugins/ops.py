@@ -99,6 +99,88 @@ def _(ring, head, count, slot_of, id_of, first, new_ids):
     return new_ids.new_empty(n), new_ids.new_empty(n)
 
 
+# The same two ops over the windows of a batch (trtllm_microspec/vocab/batched.py): every state array gains a leading
+# window dimension ([slots, W+1], [slots], [slots, V+1], [slots, V+1], [slots, R+1], [slots, V+1]) and row b of the
+# ids [B, n] works on window batch[b] exactly as the op above on that window alone (one CUDA block per row). The
+# windows of batch are distinct, but for rows of padding only (all -1), which change nothing.
+
+@_op("unique_first_rows", mutates_args=("first",))
+def unique_first_rows(ids: torch.Tensor, first: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """unique_first per row: ids [B, n] (-1 = padding) -> each row with repeats after the row's first occurrence
+    replaced by -1; first [slots, V+1] the scratch of each window (all = BIG between calls), batch [B]."""
+    B, n = ids.shape
+    flat, sentinel = first.view(-1), first.shape[1] - 1
+    at = batch[:, None] * first.shape[1] + torch.where(ids >= 0, ids, sentinel)
+    idx = torch.arange(n, device=ids.device).expand(B, n)
+    flat.scatter_reduce_(0, at.flatten(), idx.flatten(), reduce="amin")
+    keep = (flat[at] == idx) & (ids >= 0)
+    flat.index_fill_(0, at.flatten(), BIG)  # leave the scratch clean for the next call
+    return torch.where(keep, ids, -1)
+
+
+@unique_first_rows.register_fake
+def _(ids, first, batch):
+    return torch.empty_like(ids)
+
+
+@_op("window_update_rows", mutates_args=("ring", "head", "count", "slot_of", "id_of", "first"))
+def window_update_rows(ring: torch.Tensor, head: torch.Tensor, count: torch.Tensor, slot_of: torch.Tensor,
+                       id_of: torch.Tensor, first: torch.Tensor, new_ids: torch.Tensor,
+                       batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """window_update of row b of new_ids [B, n] into window batch[b]. Returns (ids, slots) [B, 2n]: the rows to
+    gather, slots within each window's packed rows (R for padding)."""
+    B, n = new_ids.shape
+    W, V, R = ring.shape[1] - 1, count.shape[1] - 1, id_of.shape[1] - 1
+    if n == 0:
+        return new_ids.new_empty(B, 0), new_ids.new_empty(B, 0)
+    # each window's row through flat views (window * row length + index): no row reads or writes another's
+    ring_f, count_f, slot_f, id_f = (t.view(-1) for t in (ring, count, slot_of, id_of))
+    at_ring, at_v, at_r = (batch[:, None] * width for width in (W + 1, V + 1, R + 1))
+    valid = new_ids >= 0
+    rank = torch.cumsum(valid.long(), 1) - 1
+    m = rank[:, -1:] + 1
+    keep = valid & (rank >= m - W)  # only the last W entries of one append can stay in the window
+    pos = at_ring + torch.where(keep, (head[batch, None] + rank) % W, W)
+    evicted = torch.where(keep, ring_f[pos], -1)  # the entry this one overwrites (-1 while the ring is filling)
+    added = torch.where(keep, new_ids, -1)
+    ring_f.index_copy_(0, pos.flatten(), added.flatten())
+    touched = torch.cat([evicted, added], 1)
+    at = at_v + torch.where(touched >= 0, touched, V)  # padding: the row's sentinel V
+    ones = torch.ones(B * n, dtype=count.dtype, device=count.device)
+    count_f.index_add_(0, at[:, :n].flatten(), ones, alpha=-1)  # the evicted ids
+    count_f.index_add_(0, at[:, n:].flatten(), ones)  # the added ones
+    count[:, V:].fill_(0)
+    ring[:, W:].fill_(-1)
+    head.index_add_(0, batch, m[:, 0])
+    # free the slots of ids that left the window (idempotent, so repeats need no de-duplication)
+    gone = (touched >= 0) & (count_f[at] == 0) & (slot_f[at] >= 0)
+    id_f.index_fill_(0, (at_r + torch.where(gone, slot_f[at], R)).flatten(), -1)
+    slot_f.index_fill_(0, torch.where(gone, at, at_v + V).flatten(), -1)
+    # give each id that entered the window (counted once) the window's next free slot, in order of appearance
+    entered = (touched >= 0) & (count_f[at] > 0) & (slot_f[at] < 0)
+    fresh = unique_first_rows(torch.where(entered, touched, -1), first, batch)
+    is_new = fresh >= 0
+    free = id_of[batch, :R] < 0
+    free_rank = torch.cumsum(free.long(), 1) - 1
+    slot_by_rank = torch.full((B, R + 1), R, dtype=torch.long, device=ring.device)
+    slot_by_rank.scatter_(1, torch.where(free, free_rank, R), torch.arange(R, device=ring.device).expand(B, R))
+    slot_by_rank[:, R:].fill_(R)
+    new_rank = torch.cumsum(is_new.long(), 1) - 1
+    slots = torch.where(is_new, slot_by_rank.gather(1, new_rank.clamp(0, R)), R)
+    ids = torch.where(is_new, fresh, V)
+    slot_f.index_copy_(0, (at_v + ids).flatten(), slots.flatten())
+    id_f.index_copy_(0, (at_r + slots).flatten(), ids.flatten())
+    slot_of[:, V:].fill_(-1)
+    id_of[:, R:].fill_(-1)
+    return torch.where(is_new, fresh, 0), slots
+
+
+@window_update_rows.register_fake
+def _(ring, head, count, slot_of, id_of, first, new_ids, batch):
+    B, n = new_ids.shape
+    return new_ids.new_empty(B, 2 * n), new_ids.new_empty(B, 2 * n)
+
+
 @_op("gather_rows", mutates_args=("dst",))
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor) -> None:
     """dst[slots[i]] = src[ids[i]]; the caller points padding at the last row of dst, a spare row whose content

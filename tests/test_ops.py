@@ -137,3 +137,13 @@ def test_packed_head_with_fewer_active_ids_than_k():
     assert sorted(ids[0, :2].tolist()) == [3, 9] and ids[0, 2:].tolist() == [0, 0]
     assert torch.isfinite(logp[0, :2]).all() and torch.isinf(logp[0, 2:]).all()
     assert torch.allclose(logp[0, :2].exp().sum(), torch.tensor(1.0))
+
+
+def test_rows_ops_match_each_window_alone(monkeypatch):
+    """ops.unique_first_rows / ops.window_update_rows (the batched engine's windows): every row exactly the
+    single-window op on its own window, padding rows change nothing (plugins.check's GPU check, on the CPU
+    reference)."""
+    import plugins.check as check
+
+    monkeypatch.setattr(check, "DEV", "cpu")
+    check.check_rows_ops()

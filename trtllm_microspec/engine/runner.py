@@ -28,7 +28,7 @@ from plugins.layers import KV_BLOCK
 from .. import parallel
 from ..models.model import KVCache, Span, Spans, Transformer
 from ..models.registry import UserError
-from ..spec.batch_tree import accept, draft_trees, physical, verify
+from ..spec.batch_tree import accept, causal_mask, draft_trees, physical, verify
 from ..spec.sampling import Sampler, tempered
 from ..spec.tree import Tree, TreeConfig, causal
 from ..vocab.batched import batch_vocab
@@ -440,15 +440,17 @@ class SpecRunner(BatchRunner):
         table = self.table.index_select(0, slots)
         if cfg is None:  # plain rows: the root alone, a tree of one node
             P = 1
-            zero = torch.zeros_like(root)[:, None]
+            zero = self.steps[:1].expand(Bb)[:, None]  # a view: no kernel
             tree = Tree(tokens=root[:, None], parent=zero, depth=zero, anc=self.one.expand(Bb, 1, 1))
         else:
             P = cfg.max_path
             temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
             temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
 
-            def heads(h, k):  # each request through its own vocabulary, the whole batch in one GEMM
-                return vocab.head(tempered(d.head_in(h), temperature), slots, top, k)
+            head = vocab.head_for(slots, top)  # each request through its own vocabulary, the batch in one GEMM
+
+            def heads(h, k):
+                return head(tempered(d.head_in(h), temperature), k)
 
             tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
         steps = self.steps[:P]
@@ -459,7 +461,7 @@ class SpecRunner(BatchRunner):
                                      (n[:, None] + 1 + tree.depth).flatten(), mode)
         real = (slots != self.pad)[:, None]  # a padding row adds nothing to the padding slot's window
         if cfg is None:  # plain: the root's token; its verified ids wait for the request's next round
-            path = k = torch.zeros_like(root)
+            path = k = self.steps[:1].expand(Bb)  # zero
             path, emitted = path[:, None], choice.view(Bb, 1)
             size = covered = k
             ver = t.topk(logits[:, 0], self.k_ver)  # (under --tp: over the ranks' vocabulary slices)
@@ -470,16 +472,16 @@ class SpecRunner(BatchRunner):
             size = vocab.size(slots)
             covered = (vocab.contains(slots, emitted) & valid).sum(1)
             ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
-            ver = torch.where(valid[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
-            # the accepted path's KV to the committed slots
-            self.cache.move(physical(table, n[:, None] + path).flatten(),
-                            physical(table, n[:, None] + steps).flatten())
+            ver = torch.where((valid & real)[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
+            # the accepted path's KV to the committed slots: the physical slots of n + path and n + steps at once
+            moved = physical(table, n[:, None] + torch.cat([path, steps.expand(Bb, P)], 1))
+            self.cache.move(moved[:, :P], moved[:, P:])  # [Bb, P] each: an index of any shape
             # the gathers run on the copy stream, behind the draft forward
-            vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), torch.where(real, ver, -1))
+            vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), ver)
         pos = (n[:, None] + steps).flatten()
         feat = d.features(hid)  # [Bb, N, d] the target's hidden (EAGLE-2) or [Bb, N, 3 d] its layers (EAGLE-3)
         hid_path = feat.gather(1, path[:, :, None].expand(Bb, P, feat.shape[-1])).flatten(0, 1)
-        h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal(P, dev).expand(Bb, P, P), S, table),
+        h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal_mask(P, dev).expand(Bb, P, P), S, table),
                      cache=self.dcache).view(Bb, P, -1)
         self.h_last[slots] = h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
         vocab.join()

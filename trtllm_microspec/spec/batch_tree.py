@@ -6,12 +6,14 @@ mask over its own KV), and acceptance is per request. The draft head goes throug
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from plugins.layers import KV_BLOCK
 
 from ..models.model import Span
-from .tree import TreeConfig, Tree
+from .tree import Tree, TreeConfig, causal
 
 
 def physical(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -19,30 +21,61 @@ def physical(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return table.gather(1, slots // KV_BLOCK) * KV_BLOCK + slots % KV_BLOCK
 
 
+@functools.cache
+def _constants(cfg: TreeConfig, dev: torch.device) -> dict:
+    """The index and mask tensors every round of this tree shape uses, made once (a CUDA graph replays them
+    without a kernel each)."""
+    k, depth, N = cfg.top_k, cfg.depth, cfg.total_tokens
+    pool = k + depth * k * k
+    anc0 = torch.zeros(k, cfg.draft_slots, dtype=torch.bool, device=dev)
+    anc0[:, :k] = torch.eye(k, dtype=torch.bool, device=dev)
+    level = torch.cat([torch.zeros(k, device=dev)] + [torch.full((k * k,), i + 1.0, device=dev) for i in range(depth)])
+    return dict(
+        eye=torch.eye(k, dtype=torch.bool, device=dev), anc0=anc0,
+        cur_idx=torch.arange(k, device=dev)[None],
+        # the first level's parent: the pool's sink index (tree index 0, the root)
+        root_parent=torch.full((1, k), pool, dtype=torch.long, device=dev),
+        # draft-cache slot offset and position offset of every expansion step's k rows, [depth, 1, k]
+        step_slots=torch.arange(depth * k, device=dev).view(depth, 1, k),
+        step_pos=torch.arange(depth, device=dev).view(depth, 1, 1).expand(depth, 1, k).contiguous(),
+        penalty=1e-4 * level, tree_idx=torch.arange(1, N, device=dev)[None],
+        zero=torch.zeros(1, 1, dtype=torch.long, device=dev), eye_n=torch.eye(N, dtype=torch.bool, device=dev))
+
+
+@functools.cache
+def _arange(n: int, dev: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=dev)
+
+
+@functools.cache
+def causal_mask(n: int, dev: torch.device) -> torch.Tensor:
+    """causal(n), made once per size (the first round of a shape runs eagerly, before any graph capture)."""
+    return causal(n, dev)
+
+
 def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeConfig) -> Tree:
     """h_last [B, d], root [B], n [B] -> a Tree whose fields have a leading B dimension.
     heads(hidden [B, T, d], k) -> (logp [B, T, k], ids [B, T, k]), each request over its own vocabulary."""
     k, dev = cfg.top_k, h_last.device
     B, d = h_last.shape
+    c = _constants(cfg, dev)
     logp, ids = heads(h_last[:, None], k)
     logp, ids = logp[:, 0], ids[:, 0]
-    pool_tok, pool_score, pool_parent = [ids], [logp], [torch.full((B, k), -1, device=dev)]
-    cur_tok, cur_score, cur_idx = ids, logp, torch.arange(k, device=dev).expand(B, k)
+    pool_tok, pool_score, pool_parent = [ids], [logp], [c["root_parent"].expand(B, k)]
+    cur_tok, cur_score, cur_idx = ids, logp, c["cur_idx"].expand(B, k)
     cur_feat = h_last[:, None].expand(B, k, d)
-    eye = torch.eye(k, dtype=torch.bool, device=dev)
-    anc = torch.zeros(B, k, cfg.draft_slots, dtype=torch.bool, device=dev)
-    anc[:, :, :k] = eye
+    anc = c["anc0"].expand(B, -1, -1)
+    # every step's draft-cache slots and positions in one op each: [depth, B, k], a step's rows contiguous
+    slots_all, pos_all = n[None, :, None] + c["step_slots"], n[None, :, None] + c["step_pos"]
     offset = k
     for i in range(cfg.depth):
-        slots = (n[:, None] + i * k + torch.arange(k, device=dev)).flatten()
-        pos = (n + i).repeat_interleave(k)
-        h = draft.hidden(cur_tok.flatten(), cur_feat.reshape(B * k, d), pos, slots,
+        h = draft.hidden(cur_tok.flatten(), cur_feat.reshape(B * k, d), pos_all[i].flatten(), slots_all[i].flatten(),
                          Span(n, anc[:, :, : (i + 1) * k], S, table), cache=cache).view(B, k, d)
         logp, ids = heads(h, k)  # [B, k, k]
         score = (cur_score[:, :, None] + logp).flatten(1)
         pool_tok.append(ids.flatten(1))
         pool_score.append(score)
-        pool_parent.append(cur_idx.repeat_interleave(k, dim=1))
+        pool_parent.append(cur_idx[:, :, None].expand(B, k, k).flatten(1))
         if i + 1 == cfg.depth:
             break
         best = score.topk(k, dim=1).indices
@@ -50,26 +83,23 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
         cur_tok, cur_score, cur_idx = ids.flatten(1).gather(1, best), score.gather(1, best), offset + best
         cur_feat = h.gather(1, parent_row[:, :, None].expand(B, k, d))
         anc = anc.gather(1, parent_row[:, :, None].expand(B, k, anc.shape[2]))
-        anc[:, :, (i + 1) * k:(i + 2) * k] |= eye
+        anc[:, :, (i + 1) * k:(i + 2) * k] |= c["eye"]
         offset += k * k
-    return _select(torch.cat(pool_tok, 1), torch.cat(pool_score, 1), torch.cat(pool_parent, 1), root, cfg)
+    return _select(torch.cat(pool_tok, 1), torch.cat(pool_score, 1), torch.cat(pool_parent, 1), root, cfg, c)
 
 
-def _select(tok, score, parent, root, cfg: TreeConfig) -> Tree:
+def _select(tok, score, parent, root, cfg: TreeConfig, c: dict) -> Tree:
     """Per request, the best total_tokens-1 pool nodes by path score, kept in pool order (so parents precede
     children); a child never scores above its parent, and the tiny depth penalty breaks exact ties (p = 1.0 in
-    fp32) so the chosen set always holds each chosen node's parent."""
+    fp32) so the chosen set always holds each chosen node's parent. parent: pool index, the first level's the
+    sink P (the root)."""
     dev, N = tok.device, cfg.total_tokens
     B, P = tok.shape
-    level = torch.cat([torch.zeros(cfg.top_k, device=dev)] +
-                      [torch.full((cfg.top_k ** 2,), i + 1.0, device=dev) for i in range(cfg.depth)])
-    chosen = (score - 1e-4 * level).topk(N - 1, dim=1).indices.sort(dim=1).values
+    chosen = (score - c["penalty"]).topk(N - 1, dim=1).indices.sort(dim=1).values
     tree_of = torch.zeros(B, P + 1, dtype=torch.long, device=dev)  # pool index -> tree index; P: the root's sink
-    tree_of.scatter_(1, chosen, torch.arange(1, N, device=dev).expand(B, N - 1))
-    pp = parent.gather(1, chosen)
-    par = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), tree_of.gather(1, torch.where(pp < 0, P, pp))],
-                    1)
-    eye = torch.eye(N, dtype=torch.bool, device=dev)
+    tree_of.scatter_(1, chosen, c["tree_idx"].expand(B, N - 1))
+    par = torch.cat([c["zero"].expand(B, 1), tree_of.gather(1, parent.gather(1, chosen))], 1)
+    eye = c["eye_n"]
     anc = eye.expand(B, N, N)
     for _ in range(cfg.depth + 1):
         anc = eye | anc.gather(1, par[:, :, None].expand(B, N, N))
@@ -80,7 +110,7 @@ def _select(tok, score, parent, root, cfg: TreeConfig) -> Tree:
 def verify(target, cache, tree: Tree, n, table, S: int):
     """One target pass over every request's tree -> hidden [B, N, d], logits [B, N, V]."""
     B, N = tree.tokens.shape
-    slots = n[:, None] + torch.arange(N, device=n.device)
+    slots = n[:, None] + _arange(N, n.device)
     h = target(tree.tokens.flatten(), (n[:, None] + tree.depth).flatten(), slots.flatten(),
                Span(n, tree.anc, S, table), cache=cache)
     return h.view(B, N, -1), target.logits(h).view(B, N, -1)
@@ -94,7 +124,7 @@ def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
     ok = (tree.tokens == argmax.gather(1, tree.parent)) | (tree.depth == 0)
     path_ok = ~(tree.anc & ~ok[:, None, :]).any(2)
     leaf = torch.where(path_ok, tree.depth, -1).argmax(1)  # [B]
-    levels = torch.arange(max_path, device=ok.device)[None, :, None]
+    levels = _arange(max_path, ok.device)[None, :, None]
     leaf_anc = tree.anc.gather(1, leaf[:, None, None].expand(B, 1, N))  # [B, 1, N]
     on_path = leaf_anc & (tree.depth[:, None, :] == levels)  # [B, max_path, N]
     path = torch.where(on_path.any(2), on_path.float().argmax(2), leaf[:, None])

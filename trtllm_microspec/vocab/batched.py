@@ -3,11 +3,12 @@ membership and size are each one set of tensor ops over the whole batch, with no
 
   SharedVocab  full (EAGLE-2) or static (FR-Spec) rows, the same for every request: one GEMM over all B x T rows.
   BatchWindow  the MicroSpec window of every batch slot: a window's state (layout in plugins/ops.py) with a
-               leading batch-slot dimension. Its update is ops.window_update / ops.unique_first with that dimension:
-               each request indexes its own slot's rows through flat views (slot * row length + index), so no
-               request ever reads or writes another's window. tests/test_batch_window.py checks it against
-               one plain window per request (ops.window_update, whose CPU code is the op's reference). The fill (strategies.Fill) of each
-               slot is kept beside it, [slots, F], and its rows are one [F, d] buffer that every slot shares.
+               leading batch-slot dimension. Its update is ops.window_update_rows / ops.unique_first_rows: each
+               request's row works on its own slot's window alone (one CUDA block per request; the torch reference
+               through flat views, slot * row length + index), so no request ever reads or writes another's window
+               and a round's update is a handful of kernels, not ~150. tests/test_batch_window.py checks it against
+               one plain window per request (ops.window_update). The fill (strategies.Fill) of each slot is kept
+               beside it, [slots, F], and its rows are one [F, d] buffer that every slot shares.
 
 `batch` below is always a LongTensor [B] of the running requests' batch slots (distinct), in batch order.
 """
@@ -50,10 +51,16 @@ class SharedVocab:
     def join(self) -> None:
         pass
 
+    def head_for(self, batch: torch.Tensor, top: int):
+        """The draft head of these requests: (hidden [B, T, d], k) -> (logp [B, T, k], ids [B, T, k])."""
+        def head(hidden: torch.Tensor, k: int):
+            B, T, d = hidden.shape
+            logp, ids = self.vocab.head(hidden.reshape(B * T, d), k)
+            return logp.view(B, T, k), ids.view(B, T, k)
+        return head
+
     def head(self, hidden: torch.Tensor, batch: torch.Tensor, top: int, k: int):
-        B, T, d = hidden.shape
-        logp, ids = self.vocab.head(hidden.reshape(B * T, d), k)
-        return logp.view(B, T, k), ids.view(B, T, k)
+        return self.head_for(batch, top)(hidden, k)
 
     def size(self, batch: torch.Tensor) -> torch.Tensor:
         return self.vocab.size().expand(batch.numel())
@@ -63,19 +70,6 @@ class SharedVocab:
 
 
 PENDING = 64  # BatchWindow: verified ids of plain steps kept per request until its next round
-
-
-def unique_first(ids: torch.Tensor, first: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    """ops.unique_first per request: ids [B, n] (-1 = padding) -> each row with repeats after the row's first
-    occurrence replaced by -1. first [slots, V+1]: each slot's own scratch, all = BIG between calls."""
-    B, n = ids.shape
-    flat, sentinel = first.view(-1), first.shape[1] - 1
-    at = batch[:, None] * first.shape[1] + torch.where(ids >= 0, ids, sentinel)
-    idx = torch.arange(n, device=ids.device).expand(B, n)
-    flat.scatter_reduce_(0, at.flatten(), idx.flatten(), reduce="amin")
-    keep = (flat[at] == idx) & (ids >= 0)
-    flat.index_fill_(0, at.flatten(), ops.BIG)  # leave the scratch clean for the next call
-    return torch.where(keep, ids, -1)
 
 
 class BatchWindow:
@@ -144,7 +138,7 @@ class BatchWindow:
         self.reset(slot)
         batch = torch.tensor([slot], device=self.ring.device)
         if self.use_prompt:
-            stream = torch.cat([prompt_ids, unique_first(prompt_topk[None], self.first, batch)[0]])
+            stream = torch.cat([prompt_ids, ops.unique_first_rows(prompt_topk[None], self.first, batch)[0]])
         else:
             stream = first_topk.flatten()
         self._append(batch, stream[None])
@@ -156,9 +150,9 @@ class BatchWindow:
         if not self.use_rounds:
             return
         pending = self.pending.index_select(0, batch)
-        self._append(batch, torch.cat([unique_first(pending, self.first, batch),
-                                       unique_first(tree_ids, self.first, batch),
-                                       unique_first(ver_ids, self.first, batch)], 1))
+        self._append(batch, torch.cat([ops.unique_first_rows(pending, self.first, batch),
+                                       ops.unique_first_rows(tree_ids, self.first, batch),
+                                       ops.unique_first_rows(ver_ids, self.first, batch)], 1))
         self.pending.index_fill_(0, batch, -1)
         self._refill(batch)
 
@@ -186,53 +180,14 @@ class BatchWindow:
             return
         if self.row_of is not None:  # ids outside the draft vocabulary never enter the window (nor can be proposed)
             new_ids = torch.where(self.row_of[new_ids] >= 0, new_ids, -1)
-        W, V, R = self.W, self.V, self.R
-        ring, count, slot_of, id_of = (t.view(-1) for t in (self.ring, self.count, self.slot_of, self.id_of))
-        at_ring, at_v, at_r = (batch[:, None] * width for width in (W + 1, V + 1, R + 1))  # each slot's row
-        valid = new_ids >= 0
-        rank = torch.cumsum(valid.long(), 1) - 1
-        m = rank[:, -1:] + 1
-        keep = valid & (rank >= m - W)  # only the last W entries of one append can stay in the window
-        pos = at_ring + torch.where(keep, (self.head_pos[batch, None] + rank) % W, W)
-        evicted = torch.where(keep, ring[pos], -1)  # the entry this one overwrites (-1 while the ring is filling)
-        added = torch.where(keep, new_ids, -1)
-        count.index_add_(0, (at_v + torch.where(evicted >= 0, evicted, V)).flatten(),
-                         torch.full((B * n,), -1, dtype=count.dtype, device=count.device))
-        ring.index_copy_(0, pos.flatten(), added.flatten())
-        count.index_add_(0, (at_v + torch.where(added >= 0, added, V)).flatten(),
-                         torch.ones(B * n, dtype=count.dtype, device=count.device))
-        self.count[:, V:].fill_(0)
-        self.ring[:, W:].fill_(-1)
-        self.head_pos.index_add_(0, batch, m[:, 0])
-
-        touched = torch.cat([evicted, added], 1)
-        at = at_v + torch.where(touched >= 0, touched, V)
-        # free the slots of ids that left the window (idempotent, so repeats need no de-duplication)
-        gone = (touched >= 0) & (count[at] == 0) & (slot_of[at] >= 0)
-        id_of.index_fill_(0, (at_r + torch.where(gone, slot_of[at], R)).flatten(), -1)
-        slot_of.index_fill_(0, torch.where(gone, at, at_v + V).flatten(), -1)
-        # give each id that entered the window (counted once) the request's next free slot, in order of appearance
-        entered = (touched >= 0) & (count[at] > 0) & (slot_of[at] < 0)
-        fresh = unique_first(torch.where(entered, touched, -1), self.first, batch)
-        is_new = fresh >= 0
-        free = self.id_of[batch, :R] < 0
-        free_rank = torch.cumsum(free.long(), 1) - 1
-        slot_by_rank = torch.full((B, R + 1), R, dtype=torch.long, device=ring.device)
-        slot_by_rank.scatter_(1, torch.where(free, free_rank, R), torch.arange(R, device=ring.device).expand(B, R))
-        slot_by_rank[:, R:].fill_(R)
-        new_rank = torch.cumsum(is_new.long(), 1) - 1
-        slots = torch.where(is_new, slot_by_rank.gather(1, new_rank.clamp(0, R)), R)
-        ids = torch.where(is_new, fresh, V)
-        slot_of.index_copy_(0, (at_v + ids).flatten(), slots.flatten())
-        id_of.index_copy_(0, (at_r + slots).flatten(), ids.flatten())
-        self.slot_of[:, V:].fill_(-1)
-        self.id_of[:, R:].fill_(-1)
-
+        rows, slots = ops.window_update_rows(self.ring, self.head_pos, self.count, self.slot_of, self.id_of,
+                                             self.first, new_ids, batch)
         if not self.use_packed:  # naive: the head gathers its rows at every call
             return
         packed = self.packed.view(-1, self.packed.shape[-1])
-        rows = self.rows(torch.where(is_new, fresh, 0).flatten())
-        dst = torch.where(is_new, at_r + slots, packed.shape[0] - 1).flatten()
+        rows = self.rows(rows.flatten())
+        # each window's slot in the flat packed rows; padding (slot R) aims at the last one, which gather_rows skips
+        dst = torch.where(slots < self.R, batch[:, None] * (self.R + 1) + slots, packed.shape[0] - 1).flatten()
         if self.copy_stream is None:
             ops.gather_rows(self.head_w, rows, packed, dst)
             return
@@ -247,27 +202,42 @@ class BatchWindow:
             torch.cuda.current_stream().wait_stream(self.copy_stream)
             self.in_flight = None
 
-    def head(self, hidden: torch.Tensor, batch: torch.Tensor, top: int, k: int):
-        """ops.packed_head per request: hidden [B, T, d] -> (logp [B, T, k] fp32, ids [B, T, k]) over each
+    def head_for(self, batch: torch.Tensor, top: int):
+        """ops.packed_head per request: (hidden [B, T, d], k) -> (logp [B, T, k] fp32, ids [B, T, k]) over each
         request's own packed rows. One bmm over slots 0 .. top-1 (top > every real slot of batch) reads the packed
         rows in place instead of copying B x R x d; a free slot below top costs one wasted GEMM of the batch.
-        A padding row (slot >= top) reads slot top-1's rows and adds nothing to its input (an exact + 0)."""
-        B, T, d = hidden.shape
+        A padding row (slot >= top) goes to a spare row `top` of the bmm's input that nothing reads, and reads
+        slot top-1's scores. What depends on the requests only (the rows' ids, the mask of empty slots) is made
+        here once for the round's depth + 1 calls: each call is its GEMMs, the log-softmax and the top-k."""
         R = self.R
         read = batch.clamp(max=top - 1)
-        h = hidden.new_zeros(top, T, d).index_add_(0, read, torch.where((batch < top)[:, None, None], hidden, 0))
+        into = torch.where(batch < top, batch, top)
         if self.use_packed:
-            rows = self.packed[:top, :R]
+            rows = self.packed[:top, :R].transpose(1, 2)
         else:  # naive: an indexed GEMM over the window's scattered head rows, gathered at every call
-            rows = self.head_w[self.rows(self.id_of[:top, :R].clamp(min=0))]
-        logits = torch.bmm(h, rows.transpose(1, 2)).index_select(0, read)
-        id_of = self.id_of[read, None, :R]
+            rows = None
+        id_of = self.id_of.index_select(0, read)[:, None, :R]
         if self.fill is not None:  # the shared fill rows in one GEMM over every row, their columns first as alone
-            logits = torch.cat([torch.nn.functional.linear(hidden, self.fill_rows), logits], -1)
-            id_of = torch.cat([self.fill_id_of[read, None], id_of], -1)
-        logits = logits.float().masked_fill(id_of < 0, float("-inf"))
-        logp, col = torch.log_softmax(logits, -1).topk(k, dim=-1)
-        return logp, id_of.expand(B, T, -1).gather(2, col).clamp(min=0)  # an empty slot only wins at -inf
+            id_of = torch.cat([self.fill_id_of.index_select(0, read)[:, None], id_of], -1)
+        empty = id_of < 0
+        ids = id_of.clamp(min=0)  # an empty slot only wins at -inf: any id is safe to verify
+
+        def head(hidden: torch.Tensor, k: int):
+            B, T, d = hidden.shape
+            # rows of free slots stay unwritten: a bmm row depends on its own input row only, and no real
+            # request reads those (a padding row may, and its draws are dropped)
+            h = hidden.new_empty(top + 1, T, d).index_copy_(0, into, hidden)[:top]
+            w = rows if rows is not None else self.head_w[self.rows(self.id_of[:top, :R].clamp(min=0))].transpose(1, 2)
+            logits = torch.bmm(h, w).index_select(0, read)
+            if self.fill is not None:
+                logits = torch.cat([torch.nn.functional.linear(hidden, self.fill_rows), logits], -1)
+            logp, col = torch.log_softmax(logits.masked_fill(empty, float("-inf")), -1, dtype=torch.float32).topk(
+                k, dim=-1)
+            return logp, ids.expand(B, T, -1).gather(2, col)
+        return head
+
+    def head(self, hidden: torch.Tensor, batch: torch.Tensor, top: int, k: int):
+        return self.head_for(batch, top)(hidden, k)
 
     def size(self, batch: torch.Tensor) -> torch.Tensor:
         """The window's ids and the kept fill ids of each request."""
