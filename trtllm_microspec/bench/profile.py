@@ -29,8 +29,10 @@ from plugins import layers
 from plugins.layers import KV_BLOCK
 from plugins.check_layers import random_tree
 
+from ..engine.policy import POLICIES
 from ..models.model import KVCache, Span
 from ..models.registry import UserError
+from ..vocab.strategies import METHODS
 from ..spec.batch_tree import draft_trees, verify
 from ..spec.tree import Tree, TreeConfig, causal
 from .kernels import COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, projection_lines, write_report
@@ -43,17 +45,13 @@ def run(a) -> None:
     from ..vocab.batched import SharedVocab
     from ..vocab.strategies import FullVocab
 
-    if a.timeline and not torch.cuda.is_available():  # the CPU runs it too (no GPU times): a check of the tool
-        target, _ = load_target(resolve_engine(a.engine), torch.device("cpu"), torch.float32, None)
-        timeline(target, a)
+    if a.timeline:  # the CPU runs it too (no GPU times): a check of the tool
+        timeline(a)
         return
     if not torch.cuda.is_available():
         raise UserError("profile needs a CUDA GPU")
     dev = torch.device("cuda")
     target, _ = load_target(resolve_engine(a.engine), dev, torch.bfloat16, None)
-    if a.timeline:
-        timeline(target, a)
-        return
     c = target.cfg
     torch.manual_seed(0)
     draft = EagleDraft(draft_config(c), bias=False).setup(target, torch.bfloat16, dev)
@@ -110,16 +108,27 @@ def run(a) -> None:
                  dict(meta=meta, phases=rows, layer=layer_rows, projections=proj_rows))
 
 
-def timeline(target, a) -> None:
+def timeline(a) -> None:
+    import tempfile
     import time
 
-    from ..engine.runner import BatchRunner
-    from ..engine.scheduler import Scheduler
     from ..engine.stats import percentiles
+    from ..llm import LLM, resolve_engine
+    from ..models.model import ModelConfig
+    from ..spec.eagle import EagleDraft, draft_config, save_draft
 
-    top, cuda = max(a.batch), target.cache.k.is_cuda
-    runner = BatchRunner(target, top, a.kv_memory, cuda_graphs=cuda, max_num_tokens=a.max_num_tokens)
-    sched = Scheduler(runner, top)
+    top = max(a.batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        draft = a.draft
+        if a.method != "ar" and draft is None:  # a random head: a round's work does not depend on what it accepts
+            engine = resolve_engine(a.engine)
+            torch.manual_seed(0)
+            save_draft(EagleDraft(draft_config(ModelConfig.load(engine / "config.json")), bias=False), tmp, engine)
+            draft = tmp
+        llm = LLM(a.engine, a.method, draft=draft, max_batch=top, kv_memory=a.kv_memory,
+                  max_num_tokens=a.max_num_tokens, spec_policy=a.spec_policy)
+        sched = llm.scheduler()  # (a speculative one calibrates its policy now: every graph it may pick captured)
+    target, runner, cuda = llm.target, sched.runner, llm.device.type == "cuda"
     sched.timing = True
     g = torch.Generator().manual_seed(0)
     rows, steps = [], {}
@@ -160,9 +169,11 @@ def timeline(target, a) -> None:
                   f"{_f(gpu, '7.2f')} ms, step {r['step_ms_p50']:7.2f} ms (host {_f(host, '6.2f')}), "
                   f"{r['tok_s']:8.0f} output tok/s overall", flush=True)
     meta = dict(engine=str(a.engine), device=torch.cuda.get_device_name() if cuda else "cpu",
-                torch=torch.__version__, context=a.context, new_tokens=a.new_tokens,
+                torch=torch.__version__, context=a.context, new_tokens=a.new_tokens, method=a.method,
+                tree=str(llm.tree) if a.method != "ar" else None, spec_policy=a.spec_policy,
                 max_num_tokens=runner.max_num_tokens, kv_blocks=runner.blocks.num_blocks)
-    lines = [f"# batched engine step timeline: {meta['engine']} on {meta['device']}", "",
+    shape = "" if a.method == "ar" else f" ({llm.tree}, --spec-policy {a.spec_policy}; a random head unless --draft)"
+    lines = [f"# batched engine step timeline: {meta['engine']} on {meta['device']}, {a.method}{shape}", "",
              f"torch {meta['torch']}; per batch size B: B requests of {a.context} random prompt tokens and "
              f"{a.new_tokens} new tokens each, submitted at once, greedy, CUDA graphs (on CUDA); max_num_tokens "
              f"{meta['max_num_tokens']}, {meta['kv_blocks']} KV blocks. Medians over the measured pass's steps. "
@@ -173,7 +184,21 @@ def timeline(target, a) -> None:
     lines += [f"| {r['batch']} | {r['kind']} | {r['steps']} | {r['rows_p50']:.0f} | {_f(r['gpu_ms_p50'], '.2f')} | "
               f"{r['step_ms_p50']:.2f} | {_f(r['host_ms_p50'], '.2f')} | {r['plan_ms_p50']:.2f} | "
               f"{_f(r['gpu_share'], '.0%')} | {r['tok_s']:.0f} | {r['preempted']} |" for r in rows]
-    write_report(a.out, "\n".join(lines) + "\n", dict(meta=meta, timeline=rows, steps=steps))
+    costs = []  # the speculation policy's calibration: one step of each shape over padding rows, graph replayed
+    policy = getattr(runner, "policy", None)
+    if policy is not None:
+        for (shape, Bb), sec in sorted(policy.costs.base.items()):
+            tree = runner.shapes[shape]
+            costs.append(dict(shape=f"{tree.total_tokens} tokens (depth {tree.depth}, top-{tree.top_k})" if tree
+                              else "plain rows (root only)", rows=Bb, ms=sec * 1e3))
+            print(f"timeline: calibrated step, {costs[-1]['shape']:32s} rows {Bb:4d}: {costs[-1]['ms']:7.3f} ms",
+                  flush=True)
+    if costs:
+        lines += ["", "The speculation policy's calibrated step costs (SpecRunner.measure at start-up: padding rows, "
+                  "the captured graph replayed, the host read included; min of 3):", "",
+                  "| shape | rows | ms |", "|---|---:|---:|"] + [f"| {c['shape']} | {c['rows']} | {c['ms']:.3f} |"
+                                                            for c in costs]
+    write_report(a.out, "\n".join(lines) + "\n", dict(meta=meta, timeline=rows, steps=steps, costs=costs))
 
 
 def _f(v, spec: str) -> str:
@@ -286,5 +311,10 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="--timeline: new tokens per request")
     p.add_argument("--max-num-tokens", type=int, help="--timeline: the engine's token budget per step (default 8192)")
     p.add_argument("--kv-memory", type=float, help="--timeline: the KV pool (fraction of free GPU memory; default 0.5)")
+    p.add_argument("--method", default="ar", choices=METHODS, help="--timeline: the engine's method (a speculative "
+                   "one's decode-only steps are its rounds, or plain rows where the policy picks them)")
+    p.add_argument("--draft", help="--timeline: the draft head (default: a random one; a round costs the same)")
+    p.add_argument("--spec-policy", default="fixed", choices=POLICIES,
+                   help="--timeline: the speculation policy (fixed: the configured tree every step)")
     p.add_argument("--out", help="write the markdown here and JSON beside it")
     p.set_defaults(func=run)
