@@ -6,6 +6,10 @@
 #   checks     the custom ops and the Triton layer kernels against their torch references (random inputs)
 #   profile    per-phase time and kernel counts of a decode step, default path vs the torch reference; one layer's
 #              pieces; each projection: cuBLAS vs the skinny GEMM vs the default
+#   rounds     issue 22's round time at c = 1: the batched engine's step timeline at batch 1 (ROUND_CONTEXT prompt
+#              tokens, 128 new) for ar, eagle and microspec with the fixed default tree (a random head: the round's
+#              work does not depend on what it accepts), then microspec under --spec-policy auto, whose start-up
+#              prints the calibrated plain-row / 4 / 16 / 60-token step costs at 1 row (~2 min on an H200)
 #   kernels-ab the skinny GEMM's configs (plain, and with the add + RMSNorm in its prologue) against the torch
 #              reference at qwen2.5-coder-1.5b's shapes, then each projection (q|k|v, O, gate|up, down, EAGLE fc,
 #              LM head) at rows AB_ROWS on random weights: cuBLAS vs the fastest skinny config vs the default path,
@@ -82,6 +86,7 @@ RECIPE_LIMIT=${RECIPE_LIMIT:-900}   # recipe: train-draft's --time-limit (distil
 RECIPE_EVAL_Q=${RECIPE_EVAL_Q:-3}   # recipe, smol-head: --eval questions per category
 RECIPE_ARGS=${RECIPE_ARGS:-}        # recipe, smol-head: more train-draft arguments (e.g. --loss full)
 SMOL_LIMIT=${SMOL_LIMIT:-300}       # smol-head: --time-limit of smollm2-135m's head
+ROUND_CONTEXT=${ROUND_CONTEXT:-512}  # rounds: prompt tokens before the measured steps
 mkdir -p "$OUT"
 ms() { python3 -m trtllm_microspec.cli "$@"; }
 for stage in "$@"; do
@@ -94,6 +99,14 @@ for stage in "$@"; do
         || echo "fused_ce check FAILED (--loss fused's kernel)" ;;
     profile)
       ms profile --engine "$KEY" --out "$OUT/profile_$KEY.md" ;;
+    rounds)
+      for m in ar eagle microspec; do
+        ms profile --engine "$KEY" --timeline --method $m --spec-policy fixed --batch 1 --context "$ROUND_CONTEXT" \
+          --new-tokens 128 --out "$OUT/rounds_${m}_$KEY.md" 2>&1 | grep -E "^timeline:|rror"
+      done
+      ms profile --engine "$KEY" --timeline --method microspec --spec-policy auto --batch 1 \
+        --context "$ROUND_CONTEXT" --new-tokens 128 --out "$OUT/rounds_microspec_auto_$KEY.md" 2>&1 \
+        | grep -E "^timeline:|rror" ;;
     kernels-ab)
       { python3 -m plugins.check_layers --only "skinny linear" norm_linear || echo "check_layers FAILED (the A/B" \
           "still runs: a config that disagrees with the unfused path at first use is never picked)"; } \

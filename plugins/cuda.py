@@ -64,7 +64,15 @@ def register() -> None:
             return ops.REFERENCE["packed_head"](hidden, packed, id_of, k)
         return ext.logsoftmax_topk(F.linear(hidden, packed), id_of, k)
 
+    def masked_topk(logits, id_of, k):
+        B, T, R = logits.shape
+        if not 1 <= k <= R <= fused_rows:
+            return ops.REFERENCE["masked_topk"](logits, id_of, k)
+        logp, ids = ext.logsoftmax_topk(logits.reshape(B * T, R), id_of, k)
+        return logp.view(B, T, k), ids.view(B, T, k)
+
     ops.unique_first.register_kernel("cuda")(unique_first)
+    ops.masked_topk.register_kernel("cuda")(masked_topk)
     ops.window_update.register_kernel("cuda")(window_update)
     ops.unique_first_rows.register_kernel("cuda")(unique_first_rows)
     ops.window_update_rows.register_kernel("cuda")(window_update_rows)

@@ -203,3 +203,19 @@ def packed_head(hidden: torch.Tensor, packed: torch.Tensor, id_of: torch.Tensor,
 def _(hidden, packed, id_of, k):
     T = hidden.shape[0]
     return hidden.new_empty(T, k, dtype=torch.float32), id_of.new_empty(T, k)
+
+
+@_op("masked_topk")
+def masked_topk(logits: torch.Tensor, id_of: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed_head's epilogue per request (the batched engine's draft head): logits [B, T, R] of each request's own
+    rows, id_of [B, R] (-1 = empty slot) -> (logp [B, T, k] fp32, ids [B, T, k]): log-softmax over the request's
+    active slots, top-k, slots -> its token ids."""
+    logits = logits.float().masked_fill(id_of[:, None] < 0, float("-inf"))
+    logp, slot = torch.log_softmax(logits, -1).topk(k, dim=-1)
+    return logp, id_of[:, None].expand(-1, logits.shape[1], -1).gather(2, slot).clamp(min=0)
+
+
+@masked_topk.register_fake
+def _(logits, id_of, k):
+    B, T, _ = logits.shape
+    return logits.new_empty(B, T, k, dtype=torch.float32), id_of.new_empty(B, T, k)

@@ -266,7 +266,8 @@ __device__ __forceinline__ unsigned long long topk_key(float v, int slot) {
 template <typename scalar_t>
 __global__ void __launch_bounds__(kTopkThreads)
 logsoftmax_topk_kernel(const scalar_t* __restrict__ logits, int R, const int64_t* __restrict__ id_of, int k,
-                       float* out_logp, int64_t* out_ids) {
+                       float* out_logp, int64_t* out_ids, int64_t id_rows) {
+  id_of += static_cast<int64_t>(blockIdx.x) / id_rows * R;  // the id row of this logits row (ops.masked_topk)
   extern __shared__ float vals[];  // [R] the masked logits of this row
   __shared__ float fsm[33];
   __shared__ unsigned long long usm[33];
@@ -428,13 +429,18 @@ void gather_rows(at::Tensor src, at::Tensor ids, at::Tensor dst, at::Tensor slot
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// id_of [R]: one id row for every logits row (ops.packed_head); [B, R]: T / B consecutive logits rows each
+// (ops.masked_topk: the rows of one request share its window's ids)
 std::tuple<at::Tensor, at::Tensor> logsoftmax_topk(at::Tensor logits, at::Tensor id_of, int64_t k) {
   logits = logits.contiguous();
   id_of = id_of.contiguous();
   check_long(id_of, "id_of");
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.size(1) == id_of.numel(),
-              "logsoftmax_topk: logits must be [T, R] with R = id_of.numel()");
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.size(1) == id_of.size(-1) && id_of.dim() <= 2,
+              "logsoftmax_topk: logits must be [T, R] with id_of [R] or [B, R]");
   const int64_t T = logits.size(0), R = logits.size(1);
+  const int64_t id_groups = id_of.dim() == 2 ? id_of.size(0) : 1;
+  TORCH_CHECK(id_groups > 0 && T % id_groups == 0, "logsoftmax_topk: T must be a multiple of id_of's rows");
+  const int64_t id_rows = T / id_groups > 0 ? T / id_groups : 1;
   TORCH_CHECK(R <= kTopkMaxRows && k >= 1 && k <= R, "logsoftmax_topk: needs R <= ", kTopkMaxRows,
               " and 1 <= k <= R");
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -444,7 +450,7 @@ std::tuple<at::Tensor, at::Tensor> logsoftmax_topk(at::Tensor logits, at::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "logsoftmax_topk", [&] {
     logsoftmax_topk_kernel<scalar_t><<<static_cast<unsigned>(T), kTopkThreads, R * sizeof(float), c10::cuda::getCurrentCUDAStream()>>>(
         logits.data_ptr<scalar_t>(), static_cast<int>(R), id_of.data_ptr<int64_t>(), static_cast<int>(k),
-        logp.data_ptr<float>(), ids.data_ptr<int64_t>());
+        logp.data_ptr<float>(), ids.data_ptr<int64_t>(), id_rows);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {logp, ids};

@@ -207,8 +207,8 @@ class BatchWindow:
         request's own packed rows. One bmm over slots 0 .. top-1 (top > every real slot of batch) reads the packed
         rows in place instead of copying B x R x d; a free slot below top costs one wasted GEMM of the batch.
         A padding row (slot >= top) goes to a spare row `top` of the bmm's input that nothing reads, and reads
-        slot top-1's scores. What depends on the requests only (the rows' ids, the mask of empty slots) is made
-        here once for the round's depth + 1 calls: each call is its GEMMs, the log-softmax and the top-k."""
+        slot top-1's scores. The ids of each request's rows are gathered here once for the round's depth + 1 calls:
+        each call is its GEMMs and one ops.masked_topk (on CUDA packed_head's fused log-softmax + top-k kernel)."""
         R = self.R
         read = batch.clamp(max=top - 1)
         into = torch.where(batch < top, batch, top)
@@ -216,11 +216,9 @@ class BatchWindow:
             rows = self.packed[:top, :R].transpose(1, 2)
         else:  # naive: an indexed GEMM over the window's scattered head rows, gathered at every call
             rows = None
-        id_of = self.id_of.index_select(0, read)[:, None, :R]
+        id_of = self.id_of[:, :R].index_select(0, read)  # [B, R], contiguous
         if self.fill is not None:  # the shared fill rows in one GEMM over every row, their columns first as alone
-            id_of = torch.cat([self.fill_id_of.index_select(0, read)[:, None], id_of], -1)
-        empty = id_of < 0
-        ids = id_of.clamp(min=0)  # an empty slot only wins at -inf: any id is safe to verify
+            id_of = torch.cat([self.fill_id_of.index_select(0, read), id_of], -1)
 
         def head(hidden: torch.Tensor, k: int):
             B, T, d = hidden.shape
@@ -231,9 +229,7 @@ class BatchWindow:
             logits = torch.bmm(h, w).index_select(0, read)
             if self.fill is not None:
                 logits = torch.cat([torch.nn.functional.linear(hidden, self.fill_rows), logits], -1)
-            logp, col = torch.log_softmax(logits.masked_fill(empty, float("-inf")), -1, dtype=torch.float32).topk(
-                k, dim=-1)
-            return logp, ids.expand(B, T, -1).gather(2, col)
+            return ops.masked_topk(logits, id_of, k)  # an empty slot only wins at -inf: any id is safe
         return head
 
     def head(self, hidden: torch.Tensor, batch: torch.Tensor, top: int, k: int):
