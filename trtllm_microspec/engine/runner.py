@@ -457,32 +457,42 @@ class SpecRunner(BatchRunner):
         hid, logits = verify(t, self.cache, tree, n, table, S)
         N, V = tree.tokens.shape[1], logits.shape[-1]
         # greedy rows: the argmax of every node; sampling rows: one draw per node with the uniform of its position
-        choice = self.sampler.choose(logits.view(Bb * N, V), slots.repeat_interleave(N),
-                                     (n[:, None] + 1 + tree.depth).flatten(), mode)
-        real = (slots != self.pad)[:, None]  # a padding row adds nothing to the padding slot's window
+        # (a greedy step keys no uniform: its rows and positions are not made)
+        rows = pos = None
+        if mode != "greedy":
+            rows, pos = slots[:, None].expand(Bb, N).flatten(), (n[:, None] + 1 + tree.depth).flatten()
+        choice = self.sampler.choose(logits.view(Bb * N, V), rows, pos, mode)
+        # the target's top-K_ver ids for the window (none for a shared vocabulary, nor ctx-only's frozen window);
+        # a padding row adds nothing to the padding slot's window
+        real = (slots != self.pad)[:, None] if vocab.takes_ids else None
         if cfg is None:  # plain: the root's token; its verified ids wait for the request's next round
             path = k = self.steps[:1].expand(Bb)  # zero
             path, emitted = path[:, None], choice.view(Bb, 1)
             size = covered = k
-            ver = t.topk(logits[:, 0], self.k_ver)  # (under --tp: over the ranks' vocabulary slices)
-            vocab.defer(slots, torch.where(real, ver, -1))
+            if real is not None:
+                ver = t.topk(logits[:, 0], self.k_ver)  # (under --tp: over the ranks' vocabulary slices)
+                vocab.defer(slots, torch.where(real, ver, -1))
         else:
             path, k, emitted = accept(tree, choice.view(Bb, N), P)
             valid = steps[None, :] <= k[:, None]
             size = vocab.size(slots)
             covered = (vocab.contains(slots, emitted) & valid).sum(1)
-            ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
-            ver = torch.where((valid & real)[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
             # the accepted path's KV to the committed slots: the physical slots of n + path and n + steps at once
             moved = physical(table, n[:, None] + torch.cat([path, steps.expand(Bb, P)], 1))
             self.cache.move(moved[:, :P], moved[:, P:])  # [Bb, P] each: an index of any shape
-            # the gathers run on the copy stream, behind the draft forward
-            vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), ver)
-        pos = (n[:, None] + steps).flatten()
+            if real is not None:
+                ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
+                ver = torch.where((valid & real)[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
+                # the gathers run on the copy stream, behind the draft forward
+                vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), ver)
         feat = d.features(hid)  # [Bb, N, d] the target's hidden (EAGLE-2) or [Bb, N, 3 d] its layers (EAGLE-3)
-        hid_path = feat.gather(1, path[:, :, None].expand(Bb, P, feat.shape[-1])).flatten(0, 1)
+        if cfg is None:  # the root alone: its position n, its feature the only one
+            pos, hid_path = n, feat.flatten(0, 1)
+        else:
+            pos = (n[:, None] + steps).flatten()
+            hid_path = feat.gather(1, path[:, :, None].expand(Bb, P, feat.shape[-1])).flatten(0, 1)
         h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal_mask(P, dev).expand(Bb, P, P), S, table),
                      cache=self.dcache).view(Bb, P, -1)
-        self.h_last[slots] = h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
+        self.h_last[slots] = h[:, 0] if cfg is None else h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
         vocab.join()
         self.out[:Bb, :3 + P].copy_(torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1))

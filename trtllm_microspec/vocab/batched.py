@@ -34,6 +34,7 @@ def batch_vocab(vocab, slots: int):
 class SharedVocab:
     """A FullVocab or StaticVocab for the whole batch: no per-request state."""
     use_prompt = True  # (a window's flag: whether it starts from the prompt, else from the first token's top-K)
+    takes_ids = False  # whether a round's update / a plain step's defer use the ids given (a window's do)
 
     def __init__(self, vocab):
         self.vocab = vocab
@@ -112,6 +113,11 @@ class BatchWindow:
         # its stream at its next round's update (a window update costs ~160 small kernels, the plain step they would
         # be added to little more than the target's); the oldest drop out past PENDING
         self.pending = torch.full((slots, PENDING), -1, dtype=torch.long, device=dev)
+
+    @property
+    def takes_ids(self) -> bool:
+        """Whether update / defer use their ids (ctx-only's window never changes after its prompt)."""
+        return self.use_rounds
 
     def reset(self, slot: int) -> None:
         P = len(self.pinned)
