@@ -32,7 +32,9 @@ def _constants(cfg: TreeConfig, dev: torch.device) -> dict:
     level = torch.cat([torch.zeros(k, device=dev)] + [torch.full((k * k,), i + 1.0, device=dev) for i in range(depth)])
     return dict(
         eye=torch.eye(k, dtype=torch.bool, device=dev), anc0=anc0,
-        cur_idx=torch.arange(k, device=dev)[None],
+        first_idx=torch.arange(k, device=dev)[None],
+        # the pool offset of expansion i's k inputs (i >= 1; the i-th level's top-k), element by element
+        offsets=torch.tensor([k + i * k * k for i in range(depth - 1) for _ in range(k)], device=dev)[None],
         # the first level's parent: the pool's sink index (tree index 0, the root)
         root_parent=torch.full((1, k), pool, dtype=torch.long, device=dev),
         # draft-cache slot offset and position offset of every expansion step's k rows, [depth, 1, k]
@@ -61,13 +63,12 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
     c = _constants(cfg, dev)
     logp, ids = heads(h_last[:, None], k)
     logp, ids = logp[:, 0], ids[:, 0]
-    pool_tok, pool_score, pool_parent = [ids], [logp], [c["root_parent"].expand(B, k)]
-    cur_tok, cur_score, cur_idx = ids, logp, c["cur_idx"].expand(B, k)
+    pool_tok, pool_score, bests = [ids], [logp], []
+    cur_tok, cur_score = ids, logp
     cur_feat = h_last[:, None].expand(B, k, d)
     anc = c["anc0"].expand(B, -1, -1)
     # every step's draft-cache slots and positions in one op each: [depth, B, k], a step's rows contiguous
     slots_all, pos_all = n[None, :, None] + c["step_slots"], n[None, :, None] + c["step_pos"]
-    offset = k
     for i in range(cfg.depth):
         h = draft.hidden(cur_tok.flatten(), cur_feat.reshape(B * k, d), pos_all[i].flatten(), slots_all[i].flatten(),
                          Span(n, anc[:, :, : (i + 1) * k], S, table), cache=cache).view(B, k, d)
@@ -75,17 +76,22 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
         score = (cur_score[:, :, None] + logp).flatten(1)
         pool_tok.append(ids.flatten(1))
         pool_score.append(score)
-        pool_parent.append(cur_idx[:, :, None].expand(B, k, k).flatten(1))
         if i + 1 == cfg.depth:
             break
         best = score.topk(k, dim=1).indices
+        bests.append(best)
         parent_row = best // k
-        cur_tok, cur_score, cur_idx = ids.flatten(1).gather(1, best), score.gather(1, best), offset + best
+        cur_tok, cur_score = ids.flatten(1).gather(1, best), score.gather(1, best)
         cur_feat = h.gather(1, parent_row[:, :, None].expand(B, k, d))
         anc = anc.gather(1, parent_row[:, :, None].expand(B, k, anc.shape[2]))
         anc[:, :, (i + 1) * k:(i + 2) * k] |= c["eye"]
-        offset += k * k
-    return _select(torch.cat(pool_tok, 1), torch.cat(pool_score, 1), torch.cat(pool_parent, 1), root, cfg, c)
+    # each pool node's parent, all at once: expansion i's k inputs (the first level, then each level's top-k)
+    # are the parents of its k x k children
+    inputs = c["first_idx"].expand(B, k)
+    if bests:
+        inputs = torch.cat([inputs, torch.cat(bests, 1) + c["offsets"]], 1)
+    parent = torch.cat([c["root_parent"].expand(B, k), inputs[:, :, None].expand(B, inputs.shape[1], k).flatten(1)], 1)
+    return _select(torch.cat(pool_tok, 1), torch.cat(pool_score, 1), parent, root, cfg, c)
 
 
 def _select(tok, score, parent, root, cfg: TreeConfig, c: dict) -> Tree:
