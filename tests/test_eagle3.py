@@ -71,14 +71,18 @@ def some_ids(engine_dir, n=2048, seed=0):
 
 
 def spy(vocab, seen: list) -> None:
-    """Record the ids every draft-head call of `vocab` proposes."""
-    head = vocab.head
+    """Record the ids every draft-head call of `vocab` proposes (a round makes its head by head_for)."""
+    head_for = vocab.head_for
 
-    def recorded(*args):
-        logp, ids = head(*args)
-        seen.append(ids[logp > float("-inf")])  # an empty slot (-inf) is no proposal
-        return logp, ids
-    vocab.head = recorded
+    def made(*args):
+        head = head_for(*args)
+
+        def recorded(*args):
+            logp, ids = head(*args)
+            seen.append(ids[logp > float("-inf")])  # an empty slot (-inf) is no proposal
+            return logp, ids
+        return recorded
+    vocab.head_for = made
 
 
 @pytest.fixture(scope="module")

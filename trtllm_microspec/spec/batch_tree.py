@@ -84,7 +84,7 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
         cur_tok, cur_score = ids.flatten(1).gather(1, best), score.gather(1, best)
         cur_feat = h.gather(1, parent_row[:, :, None].expand(B, k, d))
         anc = anc.gather(1, parent_row[:, :, None].expand(B, k, anc.shape[2]))
-        anc[:, :, (i + 1) * k:(i + 2) * k] |= c["eye"]
+        anc[:, :, (i + 1) * k:(i + 2) * k].bitwise_or_(c["eye"])  # on the view (`|=` would copy it back too)
     # each pool node's parent, all at once: expansion i's k inputs (the first level, then each level's top-k)
     # are the parents of its k x k children
     inputs = c["first_idx"].expand(B, k)
