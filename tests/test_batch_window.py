@@ -150,8 +150,8 @@ def test_batch_window_equals_independent_windows(method):
                      packed)
     refs = {}
     for rnd in range(12):
-        if rnd in (0, 5):  # requests join (slot 2 twice: its window restarts from nothing of the last request)
-            for slot in ((3, 1, 2) if rnd == 0 else (2,)):
+        if rnd in (0, 5, 11):  # requests join (slot 2 twice: its window restarts from nothing of the last request)
+            for slot in {0: (3, 1, 2), 5: (2,), 11: (0,)}[rnd]:
                 refs[slot] = WindowVocab(method, head, W, PINNED, ranked)
                 assert (refs[slot].fill is not None) == fill
                 refs[slot].reset()
@@ -175,6 +175,10 @@ def test_batch_window_equals_independent_windows(method):
             want_logp, want_ids = ref.head(hidden[b], K)
             assert torch.equal(logp[b], want_logp) and torch.equal(ids[b], want_ids)
             assert sizes[b] == ref.size() and torch.equal(inside[b], ref.contains(tree[b].clamp(min=0)))
+        if 0 in refs:  # a request alone in slot 0 (head slots bucket 1: the head's path without scatter / gather)
+            logp, ids = bw.head(hidden[:1], torch.tensor([0]), 1, K)
+            want_logp, want_ids = refs[0].head(hidden[0], K)
+            assert torch.equal(logp[0], want_logp) and torch.equal(ids[0], want_ids)
     if use_rounds:
         assert bw.head_pos[2] > W and bw.head_pos[3] > 3 * W  # the rings wrapped
     if fill:  # the windows were not always full, so the fills were used

@@ -216,23 +216,28 @@ class BatchWindow:
         slot top-1's scores. The ids of each request's rows are gathered here once for the round's depth + 1 calls:
         each call is its GEMMs and one ops.masked_topk (on CUDA packed_head's fused log-softmax + top-k kernel)."""
         R = self.R
-        read = batch.clamp(max=top - 1)
-        into = torch.where(batch < top, batch, top)
+        # top 1: one row, the request in slot 0 (or padding, whose draws are dropped): it needs no scatter / gather
+        one = top == 1 and batch.numel() == 1
+        read = None if one else batch.clamp(max=top - 1)
+        into = None if one else torch.where(batch < top, batch, top)
         if self.use_packed:
             rows = self.packed[:top, :R].transpose(1, 2)
         else:  # naive: an indexed GEMM over the window's scattered head rows, gathered at every call
             rows = None
-        id_of = self.id_of[:, :R].index_select(0, read)  # [B, R], contiguous
+        id_of = self.id_of[:1, :R] if one else self.id_of[:, :R].index_select(0, read)  # [B, R]
         if self.fill is not None:  # the shared fill rows in one GEMM over every row, their columns first as alone
-            id_of = torch.cat([self.fill_id_of.index_select(0, read), id_of], -1)
+            id_of = torch.cat([self.fill_id_of[:1] if one else self.fill_id_of.index_select(0, read), id_of], -1)
+        id_of = id_of.contiguous()
 
         def head(hidden: torch.Tensor, k: int):
             B, T, d = hidden.shape
             # rows of free slots stay unwritten: a bmm row depends on its own input row only, and no real
             # request reads those (a padding row may, and its draws are dropped)
-            h = hidden.new_empty(top + 1, T, d).index_copy_(0, into, hidden)[:top]
+            h = hidden if one else hidden.new_empty(top + 1, T, d).index_copy_(0, into, hidden)[:top]
             w = rows if rows is not None else self.head_w[self.rows(self.id_of[:top, :R].clamp(min=0))].transpose(1, 2)
-            logits = torch.bmm(h, w).index_select(0, read)
+            logits = torch.bmm(h, w)
+            if not one:
+                logits = logits.index_select(0, read)
             if self.fill is not None:
                 logits = torch.cat([torch.nn.functional.linear(hidden, self.fill_rows), logits], -1)
             return ops.masked_topk(logits, id_of, k)  # an empty slot only wins at -inf: any id is safe
