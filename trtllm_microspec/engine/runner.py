@@ -352,32 +352,27 @@ class SpecRunner(BatchRunner):
                 if req.prefilled == 0:  # (a slot's last request may have left mid-prompt)
                     self.topk_pre[req.slot] = []
                 self.topk_pre[req.slot].append(part.flatten())
-        toks = []
+        tok = p.rows  # (empty: no row sampled)
         if p.sample:
             logits = t.logits(h[p.rows])
             tok = self.sampler.choose(logits, p.slot, p.at, self.sampler.mode(p.sample))
             # the sampled rows' verified ids: a decode's wait for its next round, ext-only's window starts from them
             ver = t.topk(logits, self.k_ver)
-            E = len(p.ends)
-            if decodes:
-                self.vocab.defer(p.slot[E:], ver[E:])
             for i, b in enumerate(p.ends):
                 req = chunks[b][0]
                 prompt = torch.tensor(req.prompt, device=dev)
                 topk_pre = torch.cat(self.topk_pre.pop(req.slot)) if self.window_pre else None
                 self.vocab.start(req.slot, prompt, topk_pre, None if self.vocab.use_prompt else ver[i:i + 1])
                 self.vocab.join()  # before the next window's gather: one in flight at a time
-            nxt_d = p.extra[0].index_copy(0, p.rows, tok)
-        else:
-            nxt_d = p.extra[0]
-        dh = d.hidden(nxt_d, feat, self.positions(p.slots), p.slots, p.spans, cache=self.dcache)
-        if p.sample:
-            self.h_last[p.slot] = dh[p.rows]
-            toks = tok.tolist()  # the one host read of the step
+            if decodes:  # after the chunks' part (Scheduler._run reruns the decodes alone if that fails)
+                self.vocab.defer(p.slot[len(p.ends):], ver[len(p.ends):])
+        dh = d.hidden(p.extra[0].index_copy(0, p.rows, tok), feat, self.positions(p.slots), p.slots, p.spans,
+                      cache=self.dcache)
+        self.h_last[p.slot] = dh[p.rows]
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
         for r in decodes:  # a plain step's one token is no acceptance: its size only
             r.stats.tree_sizes[1] = r.stats.tree_sizes.get(1, 0) + 1
-        return self.advance(chunks, decodes, toks)
+        return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
     def plan(self, reqs: list) -> int:
         """The policy's shape for this step's decoding requests; returns the target rows each of them adds."""
