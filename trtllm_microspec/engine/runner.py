@@ -273,16 +273,16 @@ class SpecRunner(BatchRunner):
     vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec window (ring, counts,
     active ids, packed head rows) per batch slot, reset when a request joins. Each step runs the shape the
     speculation policy picks (engine/policy.py): a tree, or plain rows (the root alone, the window and the draft
-    carried on). A step is one device step with no host read but the one of its results, captured in a CUDA graph
-    per (shape, rows bucket, head slots bucket, span bucket, sampling mode); padding rows leave every window as it
-    is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
+    carried on). A decode-only step is one device step with no host read but the one of its results, captured in a
+    CUDA graph per (shape, rows bucket, head slots bucket, span bucket, sampling mode); padding rows leave every
+    window as it is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
     `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)` (its input feature from
     the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and `draft.head_in(h)` (the
     vocabulary head's input) only. A step with prompt chunks packs them as AR does (BatchRunner.pack, no padding
     rows, under the token budget alone) and runs the draft over the same rows; when the step's shape is plain, the
-    decode rows go into the same target and draft pass; a tree's round runs after the chunks' pass. A request's
-    blocks are all taken when it joins: its window and draft
-    state could not be recomputed token for token after a preemption, so none is preempted."""
+    decode rows go into the same target and draft pass (eager, as AR's mixed step); a tree's round runs after the
+    chunks' pass. A request's blocks are all taken when it joins: its window and draft state could not be
+    recomputed token for token after a preemption, so none is preempted."""
 
     grows = False
 
