@@ -294,7 +294,7 @@ EOF
         --warmup 1 --out "$OUT/policy_$KEY" 2>&1 | grep -E "tok/s|rror"
       grep "^|" "$OUT/policy_$KEY/results.md" ;;  # batched-only: the one table is the in-flight batching one
     load)
-      ms profile --engine "$KEY" --timeline --batch 64,128,256 --context 512 --new-tokens 128 \
+      ms profile --engine "$KEY" --timeline --trace --batch 64,128,256 --context 512 --new-tokens 128 \
         --out "$OUT/timeline_$KEY.md" 2>&1 | grep -E "^timeline:|rror"
       ms bench --engine "$KEY" --methods ar,vllm --concurrency "$LOAD_LEVELS" --batched-only --limit "$LOAD_LIMIT" \
         --categories mt_bench,translation,summarization,qa,math_reasoning,rag --max-new-tokens "$TOKENS" --warmup 1 \

@@ -203,9 +203,10 @@ def check_rope(dev, dtype, g, H: int, KV: int, D: int, qk_norm: bool) -> float:
 
 
 def check_attention(dev, dtype, g, H: int, KV: int, D: int, T: int, n: int, S: int, window: int,
-                    kind: str) -> float:
+                    kind: str, kernel: bool = True) -> float:
     """kind: 'tree' (T new slots, a random ancestor mask), 'causal', or 'draft' (T rows, the last T of 3T new
-    slots, each row seeing a random subset of the earlier new slots and itself)."""
+    slots, each row seeing a random subset of the earlier new slots and itself). kernel False: the reference path
+    on this device (what a long prefill chunk runs: SDPA, its kv heads repeated on CUDA)."""
     m = 3 * T if kind == "draft" else T
     if kind == "tree":
         new = random_tree(g, T)
@@ -225,7 +226,7 @@ def check_attention(dev, dtype, g, H: int, KV: int, D: int, T: int, n: int, S: i
         q_pos = q_pos[:1].expand(T)
     span = Span(torch.tensor(n, device=dev), new.to(dev), S)
     scale = D ** -0.5
-    with layers.path(True):
+    with layers.path(kernel):
         got = layers.attention(q, k, v, span, q_pos, k_pos, window, scale)
     mask = span.mask(window, q_pos, k_pos)[0]
     # a row that sees nothing (possible only with a window in this synthetic test) is left out
@@ -513,6 +514,9 @@ def cases(dev: str, big: bool, g):
                 yield (f"attention {kind} T={T} n={n} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
                        lambda H=H, KV=KV, D=D, T=T, n=n, S=S, w=w, kind=kind:
                        check_attention(dev, dtype, g, H, KV, D, T, n, S, w, kind))
+        for T, n, S in ([(600, 0, 600), (700, 300, 1000)] if big else [(40, 0, 40), (30, 10, 40)]):  # long chunks
+            yield (f"reference attention causal T={T} n={n} S={S} H={shapes[0][0]}/{shapes[0][1]} {dn}", tol,
+                   lambda T=T, n=n, S=S: check_attention(dev, dtype, g, *shapes[0], T, n, S, 0, "causal", False))
         paged = [(4, 1, 200, 0, "causal"), (3, 12, 300, 0, "tree"), (5, 7, 250, 64, "causal")] if big else \
                 [(3, 1, 70, 0, "causal"), (2, 6, 40, 0, "tree"), (3, 5, 50, 16, "causal")]
         for H, KV, D in shapes[:2]:

@@ -52,7 +52,8 @@ def path(use_triton: bool):
 
 
 LONG_ROWS = 512  # rows per request from which attention runs the reference: SDPA's flash kernels beat our
-# split-K kernel on long prefill spans (H200, a 4,096-row packed prefill of qwen2.5-coder-1.5b: 41 vs 54 ms)
+# split-K kernel on long prefill spans (H200, a 4,096-row packed prefill of qwen2.5-coder-1.5b: 41 vs 54 ms, when SDPA
+# still ran its math kernel there)
 KV_BLOCK = 32  # slots per block of a paged KV cache (the block table's unit)
 
 
@@ -197,9 +198,15 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
     H, D = q.shape[1:]
     slots = span.slot_map()  # each request's own keys, gathered out of the pool: [KV, B, S, D] -> [B, KV, S, D]
     k, v = k_cache[:, slots].transpose(0, 1), v_cache[:, slots].transpose(0, 1)
+    gqa = H != k.shape[1]
+    if gqa and q.is_cuda:  # CUDA's SDPA takes GQA with a mask only on its math kernel, which materialises the
+        # [B, H, T, S] scores in fp32 (a long prefill chunk's pass spent most of its time there): with the kv heads
+        # repeated, the memory-efficient kernel takes the mask (the CPU's flash kernel takes GQA and a mask as is)
+        k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // k.shape[1], 1)
+        gqa = False
     o = F.scaled_dot_product_attention(q.view(B, T, H, D).transpose(1, 2), k, v,
                                        attn_mask=span.mask(window, q_pos, k_pos)[:, None], scale=scale,
-                                       enable_gqa=True)
+                                       enable_gqa=gqa)
     return o.transpose(1, 2).reshape(B * T, H, D)
 
 

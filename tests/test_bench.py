@@ -290,3 +290,16 @@ def test_fc_bias_fold_is_exact(engine_dir, tmp_path):
     a = torch.randn(5, cfg.num_heads * cfg.head_dim, dtype=torch.float64)  # any attention output
     o = a @ ours[f"{p}o_proj.weight"].T
     assert torch.allclose(h_theirs + o + theirs[f"{p}o_proj.bias"], h_ours + o, rtol=0, atol=1e-12)
+
+
+def test_timeline_trace_labels_every_step(engine_dir, tmp_path):
+    """profile --timeline --trace: the traced pass's steps are all labelled (one prefill step with prompt chunks,
+    the rest decode-only) and the report names the host ops that took their time."""
+    out = tmp_path / "tl"
+    main(["profile", "--engine", str(engine_dir), "--timeline", "--trace", "--batch", "2", "--context", "16",
+          "--new-tokens", "3", "--out", str(out)])
+    text = out.read_text()
+    ranges = {line.split("|")[1].strip(): int(line.split("|")[2]) for line in text.splitlines()
+              if line.startswith("| step with prompt chunks") or line.startswith("| decode-only step")}
+    assert ranges["step with prompt chunks"] >= 1 and ranges["decode-only step"] >= 1
+    assert "| aten::mm |" in text or "| aten::addmm |" in text or "| aten::linear |" in text

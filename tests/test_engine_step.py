@@ -15,6 +15,7 @@ import pytest
 from plugins.layers import KV_BLOCK
 from trtllm_microspec import LLM
 from trtllm_microspec.engine.block_manager import GIB
+from trtllm_microspec.engine.policy import StepCosts
 from trtllm_microspec.spec.sampling import GREEDY, SamplingParams
 
 
@@ -125,3 +126,51 @@ def test_cancel_returns_blocks(engine_dir, llm):
     sched.step()
     check_pool(sched)
     check_budget(sched, 32)
+
+
+SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
+
+
+@pytest.mark.parametrize("method", ["eagle", "microspec"])
+@pytest.mark.parametrize("shape", ["tree", "plain"])
+def test_spec_mixed_lengths_equal_alone(method, shape, engine_dir, random_draft_dir, llm, monkeypatch):
+    """Speculative requests of 2 to 300 prompt tokens under a 48-token budget (4 slots x 8 tree rows leave 16 a
+    step for prompts beside a round, 44 beside plain rows): prompts are chunked over many steps and share them with
+    decode rows, packed like AR's (no padding rows). A fixed tree runs the chunks' pass then the round; with plain
+    rows (mocked costs: a tree 10x a plain step) the chunks and the decode rows are ONE target pass. Greedy
+    requests get AR's tokens, a sampled one its tokens alone; the budget holds, every block comes back."""
+    spec = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=4, max_num_tokens=48,
+               spec_policy="fixed" if shape == "tree" else "auto", **SPEC)
+    sched = spec.scheduler()
+    runner = sched.runner
+    if shape == "plain":
+        runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 else 10.0)
+        runner.policy.costs.observe = lambda *a: None  # the mocked costs stay as they are
+    ids = prompts(6, [2, 300, 17, 150, 40, 220], seed=3)
+    budgets = [6, 8, 5, 7, 6, 8]
+    params = [GREEDY] * 5 + [SamplingParams(temperature=0.9, seed=7)]
+    want = [alone(llm, p, m) for p, m in zip(ids[:5], budgets)] + [alone(spec, ids[5], budgets[5], params[5])]
+    passes, forward = [], runner.target.forward
+
+    def count(*a, **k):  # target passes of the step being run
+        passes[-1] += 1
+        return forward(*a, **k)
+
+    monkeypatch.setattr(runner.target, "forward", count)
+    sched.history.clear()
+    reqs = [sched.add(p, m, s) for p, m, s in zip(ids, budgets, params)]
+    while not all(r.done for r in reqs):
+        passes.append(0)
+        sched.step()
+    for i, (r, w) in enumerate(zip(reqs, want)):
+        assert r.out == w, f"request {i} ({len(r.prompt)} prompt tokens) differs from its run alone"
+    recs = list(sched.history)
+    check_budget(sched, 48)
+    assert set(rec.tree for rec in recs if rec.decodes) == ({8} if shape == "tree" else {1})
+    mixed = [n for rec, n in zip(recs, passes) if rec.decodes and rec.chunks]
+    assert len(mixed) >= 3 and any(len(rec.chunks) >= 2 for rec in recs)  # chunks beside decodes; several chunks
+    assert set(mixed) == ({2} if shape == "tree" else {1})  # plain: the chunks and the decode rows in ONE pass
+    assert max(rec.tokens for rec in recs) == 48  # the budget alone bounds the prompt tokens of a step
+    assert not runner.grows and all((r.stats.rounds > 0) == (shape == "tree") for r in reqs)
+    sched.step()
+    check_pool(sched)

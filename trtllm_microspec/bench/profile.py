@@ -198,7 +198,58 @@ def timeline(a) -> None:
                   "the captured graph replayed, the host read included; min of 3):", "",
                   "| shape | rows | ms |", "|---|---:|---:|"] + [f"| {c['shape']} | {c['rows']} | {c['ms']:.3f} |"
                                                             for c in costs]
+    if a.trace:
+        lines += ["", *trace(sched, target, a, g)]
     write_report(a.out, "\n".join(lines) + "\n", dict(meta=meta, timeline=rows, steps=steps, costs=costs))
+
+
+def trace(sched, target, a, g) -> list[str]:
+    """--trace: the largest batch's pass once more under torch.profiler, each step a labelled range (steps with
+    prompt chunks apart from decode-only ones): the host and GPU time of each kind and the ops and kernels that
+    take it. Profiling slows the host, so the times are for reading shares, not throughput."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runner, B = sched.runner, max(a.batch)
+    plain = runner.step
+
+    def step(chunks, decodes):
+        with record_function("step with prompt chunks" if chunks else "decode-only step"):
+            return plain(chunks, decodes)
+
+    runner.step = step
+    sched.max_batch = B
+    reqs = [sched.add(torch.randint(100, target.cfg.vocab_size, (a.context,), generator=g).tolist(), a.new_tokens)
+            for _ in range(B)]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.cache.k.is_cuda else [])
+    try:
+        with profile(activities=acts) as prof:
+            sched.run(reqs)
+            if target.cache.k.is_cuda:
+                torch.cuda.synchronize()
+    finally:
+        runner.step = plain
+    avg = prof.key_averages()
+    cuda = target.cache.k.is_cuda
+    def dev(e, key="device_time_total"):  # (older torch: cuda_time_total)
+        return getattr(e, key, getattr(e, key.replace("device", "cuda"), 0)) if cuda else 0
+
+    out = [f"## --trace: batch {B} under torch.profiler", "",
+           "| range | count | host ms (total) | GPU ms (total, kernels in the range) |", "|---|---:|---:|---:|"]
+    for e in avg:
+        if e.key in ("step with prompt chunks", "decode-only step"):
+            out.append(f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.1f} | {dev(e) / 1e3:.1f} |")
+    ops = sorted((e for e in avg if e.key.startswith("aten::") or e.key.startswith("triton")),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    out += ["", "host ops by self time:", "", "| op | count | self host ms |", "|---|---:|---:|"]
+    out += [f"| {e.key} | {e.count} | {e.self_cpu_time_total / 1e3:.1f} |" for e in ops]
+    if cuda:
+        kernels = sorted((e for e in avg if dev(e, "self_device_time_total") > 0 and "CUDA" in str(e.device_type)),
+                         key=lambda e: dev(e, "self_device_time_total"), reverse=True)[:20]
+        out += ["", "GPU kernels by time:", "", "| kernel | count | GPU ms |", "|---|---:|---:|"]
+        out += [f"| {e.key[:90]} | {e.count} | {dev(e, 'self_device_time_total') / 1e3:.1f} |" for e in kernels]
+    for line in out:
+        print(f"trace: {line}", flush=True)
+    return out
 
 
 def _f(v, spec: str) -> str:
@@ -309,6 +360,9 @@ def register(sub) -> None:
     p.add_argument("--timeline", action="store_true", help="instead of the phases: the batched engine's step "
                    "timeline, --batch requests at once of --context prompt tokens and --new-tokens new tokens each")
     p.add_argument("--new-tokens", type=int, default=128, help="--timeline: new tokens per request")
+    p.add_argument("--trace", action="store_true", help="--timeline: the largest batch once more under "
+                   "torch.profiler: host and GPU time of the steps with prompt chunks and the decode-only ones, the "
+                   "ops and kernels that take it")
     p.add_argument("--max-num-tokens", type=int, help="--timeline: the engine's token budget per step (default 8192)")
     p.add_argument("--kv-memory", type=float, help="--timeline: the KV pool (fraction of free GPU memory; default 0.5)")
     p.add_argument("--method", default="ar", choices=METHODS, help="--timeline: the engine's method (a speculative "

@@ -8,8 +8,8 @@ of each row) are copied from the host into one persistent buffer, so the step it
 is captured in a graph per (batch-size bucket, span bucket, sampling mode) and replayed. Rows past the real batch
 (up to the batch-size bucket, on every device, so the CPU tests run what the graphs capture) are padding: a greedy
 request of length 0 in the padding slot, whose table points at the pool's block 0 (never handed out). A step with
-prompt chunks runs eagerly: its rows are packed (no padding), each chunk attends as its own Span, the decode rows as
-one (plugins/layers.py Spans).
+prompt chunks runs eagerly: its rows are packed (no padding; `pack`, shared by AR and the speculative runner),
+each chunk attends as its own Span, the decode rows as one (plugins/layers.py Spans).
 
 Sampling: each batch slot is a row of one Sampler (spec/sampling.py), set when a request joins, with the key of its
 seed; the uniform of a token is a hash of that key and the token's position, computed inside the step, so a
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +32,7 @@ from ..models.registry import UserError
 from ..spec.batch_tree import accept, causal_mask, draft_trees, physical, verify
 from ..spec.sampling import Sampler, tempered
 from ..spec.tree import Tree, TreeConfig, causal
-from ..vocab.batched import batch_vocab
+from ..vocab.batched import BatchWindow, batch_vocab
 from .block_manager import BlockManager, pool_blocks
 from .graphs import GraphRunner, bucket_for
 from .policy import SpecPolicy, StepCosts, tree_shapes
@@ -66,6 +67,20 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, 
         raise UserError("the prompt has token ids outside the vocabulary")
 
 
+@dataclass
+class Packed:
+    """One packed pass's inputs on the device (BatchRunner.pack)."""
+    tokens: torch.Tensor  # [L]: the chunks' tokens, then each decode's last token
+    slots: torch.Tensor  # [L]: each row's logical slot (its position)
+    spans: Spans  # one Span per chunk, then one for the decode rows
+    rows: torch.Tensor  # the rows whose next token is sampled: each completed prompt's last, then every decode row
+    slot: torch.Tensor  # the batch slot of each sampled row
+    at: torch.Tensor  # the position of each sampled token
+    sample: list[int]  # the same batch slots on the host (the sampling mode)
+    ends: list[int]  # the chunks that complete their prompt in this pass
+    extra: list[torch.Tensor]  # pack's `extra` host tensors, on the device
+
+
 def batch_bucket(B: int, max_batch: int) -> int:
     b = 1
     while b < B:
@@ -75,7 +90,6 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 class BatchRunner:
     grows = True  # blocks are appended as a request grows (and it may be preempted, then recomputed)
-    prefill_cap: int | None = None  # prompt tokens a step may take besides the budget (None: the budget alone)
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
                  cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1,
@@ -93,8 +107,8 @@ class BatchRunner:
         layers = c.num_layers + extra_layers  # the draft's pool shares the block ids (one table for both)
         # k and v of every layer, plus the slot positions (int64) of up to two pools
         per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
-        # table columns: S buckets reach up to max_seq_len, a padded prefill chunk (SpecRunner) up to a budget past it
-        width = -(-(c.max_seq_len + self.max_num_tokens) // KV_BLOCK)
+        # table columns: every span (a chunk's, a step's S bucket) reaches at most max_seq_len
+        width = -(-c.max_seq_len // KV_BLOCK)
         # under --tp every rank schedules alike: the same pool on each (the smallest of their free memories)
         self.blocks = BlockManager(parallel.agree(pool_blocks(kv_memory, per_block, dev), dev, "min"),
                                    -(-c.max_seq_len // KV_BLOCK))
@@ -152,7 +166,19 @@ class BatchRunner:
         decode's token. Without chunks, the (graph-captured) decode step."""
         if not chunks:
             return [], self.decode(decodes) if decodes else []
-        t, dev = self.target, self.device
+        p = self.pack(chunks, decodes)
+        h = self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
+        toks = []
+        if p.sample:
+            toks = self.sampler.choose(self.target.logits(h[p.rows]), p.slot, p.at, self.sampler.mode(p.sample))
+            toks = toks.tolist()  # the one host read of the step
+        return self.advance(chunks, decodes, toks)
+
+    def pack(self, chunks: list[tuple], decodes: list, extra: list[torch.Tensor] = ()) -> Packed:
+        """The inputs of one packed pass (AR's step, SpecRunner's prompt pass): each chunk's rows, then one row per
+        decode, no padding rows; each chunk attends as its own Span, the decode rows as one. Every index goes to
+        the device in one host -> device copy, with the `extra` host tensors (the draft's next tokens)."""
+        dev = self.device
         lens = [c for _, c in chunks]
         starts = [req.prefilled for req, _ in chunks]
         ids = [tok for req, c in chunks for tok in req.chunk(c)] + [r.last for r in decodes]
@@ -165,28 +191,24 @@ class BatchRunner:
         sample = [chunks[b][0].slot for b in ends] + [r.slot for r in decodes]
         # the position of each sampled token: after its prompt, or after its request's last token
         at = [starts[b] + lens[b] for b in ends] + [r.n + 1 for r in decodes]
-        # every index of the pass in one host -> device copy
-        host = torch.cat([torch.tensor(ids), slots, torch.tensor([r.n for r in decodes], dtype=torch.long),
-                          torch.tensor(starts), torch.tensor(rows, dtype=torch.long),
-                          torch.tensor(sample + [r.slot for r in decodes], dtype=torch.long),
-                          torch.tensor(at, dtype=torch.long)])
-        dv = host.to(dev).split([len(ids), P, len(decodes), len(chunks), len(rows), len(sample) + len(decodes),
-                                 len(at)])
-        tokens, n_dec, n_chunk, rows_d, slot_d, at_d = dv[0], dv[2], dv[3], dv[4], dv[5], dv[6]
-        slots_d = torch.cat([dv[1], n_dec])
+        host = [torch.tensor(ids), slots, torch.tensor([r.n for r in decodes], dtype=torch.long),
+                torch.tensor(starts), torch.tensor(rows, dtype=torch.long), torch.tensor(sample, dtype=torch.long),
+                torch.tensor(at, dtype=torch.long), *extra]
+        tokens, chunk_slots, n_dec, n_chunk, rows_d, slot_d, at_d, *extra_d = \
+            torch.cat(host).to(dev).split([x.numel() for x in host])
         if max(lens) > self.tri.shape[0]:
             self.tri = causal(1 << (max(lens) - 1).bit_length(), dev)
         parts = [Span(n_chunk[b:b + 1], self.tri[None, :c, :c], starts[b] + c, self.table[req.slot:req.slot + 1])
                  for b, (req, c) in enumerate(chunks)]
         if decodes:
-            dec_slots = slot_d[len(sample):]
             parts.append(Span(n_dec, self.one.expand(len(decodes), 1, 1), max(r.n for r in decodes) + 1,
-                              self.table.index_select(0, dec_slots)))
-        h = t(tokens, self.positions(slots_d), slots_d, Spans(parts), cache=self.cache)
-        toks = []
-        if sample:
-            toks = self.sampler.choose(t.logits(h[rows_d]), slot_d[:len(sample)], at_d, self.sampler.mode(sample))
-            toks = toks.tolist()  # the one host read of the step
+                              self.table.index_select(0, slot_d[len(ends):])))
+        return Packed(tokens, torch.cat([chunk_slots, n_dec]), Spans(parts), rows_d, slot_d, at_d, sample, ends,
+                      extra_d)
+
+    def advance(self, chunks: list[tuple], decodes: list, toks: list[int]):
+        """The host side after a packed pass: each request past its chunk, the first token of each whose prompt is
+        now in (else None), each decode past its token (toks: the sampled rows' tokens, in the pass's order)."""
         out: list[list[int] | None] = []
         done = iter(toks)
         for req, c in chunks:
@@ -203,49 +225,8 @@ class BatchRunner:
             decoded.append([r.last])
         return out, decoded
 
-    def prefill(self, chunks: list[tuple]) -> list[list[int] | None]:
-        """The next prompt chunk of each (request, chunk length), in one target pass. Returns each request's first
-        token once its whole prompt is in, else None."""
-        _, h, _, _ = self.target_prefill(chunks)
-        return self.first_tokens(chunks, h)
-
-    def first_tokens(self, chunks: list[tuple], h: torch.Tensor) -> list[list[int] | None]:
-        """Each request past its chunk; the first token of each whose prompt is now in (from its chunk's last row
-        of h [B, T, d]), else None."""
-        out = []
-        for b, (req, c) in enumerate(chunks):
-            req.prefilled = req.n = req.prefilled + c
-            if not req.prefilling:
-                req.last = int(self.first_token(req, self.target.logits(h[b, c - 1:c])))
-            out.append(None if req.prefilling else [req.last])
-        return out
-
-    def target_prefill(self, chunks: list[tuple]):
-        """One target pass of B requests x T rows (T the longest chunk) instead of one pass per request, whose
-        launches dominate an eager prefill. A shorter chunk is padded with rows after its own; they write the
-        request's next slots (written again before anything reads them) or, past its blocks, the pool's block 0,
-        and their outputs are dropped. Returns ids [B, T], hidden [B, T, d], the rows' logical slots [B, T] and
-        their Span (the draft's prefill reuses them)."""
-        t, dev, B = self.target, self.device, len(chunks)
-        T = max(c for _, c in chunks)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for b, (req, c) in enumerate(chunks):
-            ids[b, :c] = torch.tensor(req.chunk(c))
-        start = torch.tensor([req.prefilled for req, _ in chunks])
-        slots = (start[:, None] + torch.arange(T)).to(dev)
-        table = self.table.index_select(0, torch.tensor([req.slot for req, _ in chunks], device=dev))
-        span = Span(start.to(dev), causal(T, dev).expand(B, T, T), int(start.max()) + T, table)
-        ids = ids.to(dev)
-        h = t(ids.flatten(), self.positions(slots), slots.flatten(), span, cache=self.cache)
-        return ids, h.view(B, T, -1), slots, span
-
     def positions(self, slots: torch.Tensor) -> torch.Tensor:
         return slots.flatten().clamp(max=self.target.cfg.max_seq_len - 1)  # a padding row may pass the rotary table
-
-    def first_token(self, req, logits: torch.Tensor) -> torch.Tensor:
-        """The token after the prompt [1] (at position req.n, the prompt's length)."""
-        pos = torch.full((1,), req.n, dtype=torch.long, device=self.device)
-        return self.sampler.choose(logits, req.slot, pos, self.sampler.mode([req.slot]))
 
     def prepare(self, reqs: list, rows: int) -> tuple[int, str]:
         """The host side of a step: each request's (last token, committed length, batch slot) into the persistent
@@ -292,19 +273,18 @@ class SpecRunner(BatchRunner):
     vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec window (ring, counts,
     active ids, packed head rows) per batch slot, reset when a request joins. Each step runs the shape the
     speculation policy picks (engine/policy.py): a tree, or plain rows (the root alone, the window and the draft
-    carried on). A step is one device step with no host read but the one of its results, captured in a CUDA graph
-    per (shape, rows bucket, head slots bucket, span bucket, sampling mode); padding rows leave every window as it
-    is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
+    carried on). A decode-only step is one device step with no host read but the one of its results, captured in a
+    CUDA graph per (shape, rows bucket, head slots bucket, span bucket, sampling mode); padding rows leave every
+    window as it is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
     `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)` (its input feature from
     the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and `draft.head_in(h)` (the
-    vocabulary head's input) only. Prompts are
-    prefilled in chunks, the draft beside the target, in their own pass before the round (padded to the longest
-    chunk; one pass for both is the next step). A request's blocks are all taken when it joins: its window and draft
-    state could not be recomputed token for token after a preemption, so none is preempted."""
+    vocabulary head's input) only. A step with prompt chunks packs them as AR does (BatchRunner.pack, no padding
+    rows, under the token budget alone) and runs the draft over the same rows; when the step's shape is plain, the
+    decode rows go into the same target and draft pass (eager, as AR's mixed step); a tree's round runs after the
+    chunks' pass. A request's blocks are all taken when it joins: its window and draft state could not be
+    recomputed token for token after a preemption, so none is preempted."""
 
     grows = False
-    # its prefill pass pads every chunk to the longest (B x T rows): the prompt tokens of a step stay few, as before
-    prefill_cap = 512
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False,
@@ -329,45 +309,70 @@ class SpecRunner(BatchRunner):
         self.h_last = torch.zeros(max_batch + 1, draft.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
         self.steps = torch.arange(tree.max_path, device=dev)
         self.topk_pre: dict[int, list[torch.Tensor]] = {}  # batch slot -> its prompt chunks' top-K_pre so far
+        # only a MicroSpec window that starts from its prompt reads top-K_pre: the others skip the LM head over
+        # every prompt row (shared rows: eagle, frspec; ext-only starts from the first token's top-K_ver)
+        self.window_pre = isinstance(self.vocab, BatchWindow) and self.vocab.use_prompt
         # what the host reads after a round, per row: accepted k, vocabulary size, covered, emitted tokens
         self.out = torch.zeros(max_batch, 3 + tree.max_path, dtype=torch.long, device=dev)
 
-    def prefill(self, chunks: list[tuple]) -> list[list[int] | None]:
-        """The next prompt chunk of each request in one target pass and one draft pass: the draft at position i
-        reads the target's hidden there and token i + 1 (the prompt's; the first token at its end), so a chunk
-        needs nothing from the next one. A request's window starts once its whole prompt is in, from its prompt and
-        its top-K_pre, as alone. Returns each request's first token once its prompt is in, else None."""
-        t = self.target
-        ids, h, slots, span = self.target_prefill(chunks)
-        nxt = torch.zeros_like(ids)
-        for b, (req, c) in enumerate(chunks):
-            a = req.prefilled
-            if a == 0:
-                self.topk_pre[req.slot] = []
-            self.topk_pre[req.slot].append(torch.cat([t.topk(t.logits(h[b, i:min(i + PREFILL_CHUNK, c)]), self.k_pre)
-                                                      .flatten() for i in range(0, c, PREFILL_CHUNK)]))
-            after = req.prompt[a + 1:a + c + 1]  # one short at the prompt's end: the first token goes there
-            nxt[b, :len(after)] = torch.tensor(after, dtype=torch.long)
-        out = self.first_tokens(chunks, h)
-        ends = [(b, c - 1, req) for b, ((req, c), first) in enumerate(zip(chunks, out)) if first is not None]
-        for b, row, req in ends:
-            nxt[b, row] = req.last
-            prompt = torch.tensor(req.prompt, device=self.device)
-            # ext-only's window starts from the target's top-K_ver after the prompt
-            first = None if self.vocab.use_prompt else t.topk(t.logits(h[b, row:row + 1]), self.k_ver)
-            self.vocab.start(req.slot, prompt, torch.cat(self.topk_pre.pop(req.slot)), first)  # nothing of others
-            self.vocab.join()  # before the next window's gather: one in flight at a time
-        B, T = ids.shape
-        # the draft's input feature: the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
-        dh = self.draft.hidden(nxt.flatten(), self.draft.features(h).flatten(0, 1), self.positions(slots),
-                               slots.flatten(), span, cache=self.dcache).view(B, T, -1)
-        for b, row, req in ends:
-            self.h_last[req.slot] = dh[b, row]
-        return out
-
     def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
-        """The prompt chunks' pass, then the round of the requests past their prompts."""
-        return self.prefill(chunks) if chunks else [], self.decode(decodes) if decodes else []
+        """Without chunks, the (graph-captured) round of the planned shape. With chunks, one packed target pass and
+        one draft pass over them, the decode rows in it too when the planned shape is plain; a planned tree's round
+        runs after that pass (its verify rows are not merged into the packed pass: a tree's anc mask would be one
+        more Span part, not done yet)."""
+        if not chunks:
+            return [], self.decode(decodes) if decodes else []
+        if decodes and self.planned is None:
+            self.plan(decodes)
+        if decodes and self.shapes[self.planned] is None:
+            self.planned = None
+            return self.packed(chunks, decodes)
+        return self.packed(chunks, [])[0], self.decode(decodes) if decodes else []
+
+    def packed(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
+        """One target pass and one draft pass over the packed chunks and plain decode rows. The draft at row i
+        reads the target's feature there and token i + 1: the prompt's next one, or the token sampled in this pass
+        (a prompt's last row: its first token; a decode row: the token it emits, as a plain round's catch-up), so
+        a chunk needs nothing from the next one. A decode row is what `_round` does for plain rows: the root
+        verified, its token from the position-keyed sampler, the target's top-K_ver deferred to the request's next
+        round. A request's window starts once its whole prompt is in, from its prompt and its top-K_pre, as alone."""
+        t, d, dev = self.target, self.draft, self.device
+        nxt = []
+        for req, c in chunks:
+            after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
+            nxt += after + [0] * (c - len(after))
+        p = self.pack(chunks, decodes, [torch.tensor(nxt + [0] * len(decodes), dtype=torch.long)])
+        h = t(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
+        feat = d.features(h)  # the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
+        if self.window_pre:  # every prompt row's top-K_pre, PREFILL_CHUNK rows per LM-head call (never [P x V])
+            P = len(nxt)
+            pre = torch.cat([t.topk(t.logits(h[i:min(i + PREFILL_CHUNK, P)]), self.k_pre)
+                             for i in range(0, P, PREFILL_CHUNK)])
+            for (req, c), part in zip(chunks, pre.split([c for _, c in chunks])):
+                if req.prefilled == 0:  # (a slot's last request may have left mid-prompt)
+                    self.topk_pre[req.slot] = []
+                self.topk_pre[req.slot].append(part.flatten())
+        tok = p.rows  # (empty: no row sampled)
+        if p.sample:
+            logits = t.logits(h[p.rows])
+            tok = self.sampler.choose(logits, p.slot, p.at, self.sampler.mode(p.sample))
+            # the sampled rows' verified ids: a decode's wait for its next round, ext-only's window starts from them
+            ver = t.topk(logits, self.k_ver)
+            for i, b in enumerate(p.ends):
+                req = chunks[b][0]
+                prompt = torch.tensor(req.prompt, device=dev)
+                topk_pre = torch.cat(self.topk_pre.pop(req.slot)) if self.window_pre else None
+                self.vocab.start(req.slot, prompt, topk_pre, None if self.vocab.use_prompt else ver[i:i + 1])
+                self.vocab.join()  # before the next window's gather: one in flight at a time
+            if decodes:  # after the chunks' part (Scheduler._run reruns the decodes alone if that fails)
+                self.vocab.defer(p.slot[len(p.ends):], ver[len(p.ends):])
+        dh = d.hidden(p.extra[0].index_copy(0, p.rows, tok), feat, self.positions(p.slots), p.slots, p.spans,
+                      cache=self.dcache)
+        self.h_last[p.slot] = dh[p.rows]
+        # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
+        for r in decodes:  # a plain step's one token is no acceptance: its size only
+            r.stats.tree_sizes[1] = r.stats.tree_sizes.get(1, 0) + 1
+        return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
     def plan(self, reqs: list) -> int:
         """The policy's shape for this step's decoding requests; returns the target rows each of them adds."""

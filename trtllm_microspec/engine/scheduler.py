@@ -2,13 +2,13 @@
 
 `Scheduler.step()` is one boundary plus one step under a token budget (the runner's `max_num_tokens`): finished
 and cancelled requests leave (their blocks go back at once); every running request past its prompt decodes one
-row (a speculative one a tree); the requests still prefilling take the rest of the budget in prompt chunks, in the
-order they joined (a speculative runner's padded prefill pass takes at most its `prefill_cap`, 512, of them);
-then waiting requests join in order while the batch has room, the budget lasts and the pool has
-the blocks of their prompt (the first that does not fit holds the rest back, so a long request is not starved by
-short ones). A chunked prompt does not stall the running batch: the chunks and the decode rows go through ONE
-target pass (runner.step). Each request samples with its own SamplingParams (greedy by default): its tokens are
-those it gets alone with the same parameters and seed.
+row, a speculative one the rows of the step's planned shape (runner.plan: a tree's tokens, 1 plain); the requests
+still prefilling take the rest of the budget in prompt chunks, in the order they joined; then waiting requests join
+in order while the batch has room, the budget lasts and the pool has the blocks of their prompt (the first that
+does not fit holds the rest back, so a long request is not starved by short ones). A chunked prompt does not stall
+the running batch: the chunks and the decode rows go through ONE packed target pass (runner.step; a speculative
+step of a tree shape runs its round after the chunks' pass). Each request samples with its own SamplingParams
+(greedy by default): its tokens are those it gets alone with the same parameters and seed.
 
 KV blocks grow with a request (AR; a speculative request takes all of its blocks when it joins). When the pool
 cannot give a running request the slots of its step, the request that joined last is preempted (recompute, as
@@ -203,8 +203,6 @@ class Scheduler:
         if decodes:  # the speculation policy's tree for this step: the rows each decoding request adds
             self.decode_rows = self.runner.plan(decodes)
             budget -= len(decodes) * self.decode_rows
-        if self.runner.prefill_cap is not None:
-            budget = min(budget, self.runner.prefill_cap)
         for req in list(self.running):  # 2. the running prompts, in order, while the budget lasts
             if budget <= 0:
                 break
