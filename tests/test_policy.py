@@ -61,6 +61,31 @@ def test_policy_picks_what_pays():
     assert fixed.choose(reqs, 2) == 1  # fixed: the configured tree, no cost asked
 
 
+def test_plain_steps_probe_speculation_again():
+    """Acceptance is only seen on speculative rounds: after it fell below the break-even, plain steps move the
+    ratios back toward the prior until a tree is tried again; if it still accepts little the policy returns to
+    plain, if the text turned predictable it keeps the tree."""
+    shapes = tree_shapes(TreeConfig(2, 3, 8), "auto")
+    policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: {0: 1.0, 1: 1.5, 2: 1.6}[s]))
+    reqs = requests(None)
+    for _ in range(20):
+        policy.observe(reqs, 2, 1, [1], 1.6)  # rounds that accept nothing
+    assert policy.choose(reqs, 1) == 0
+    plain = 0
+    while policy.choose(reqs, 1) == 0:
+        policy.observe(reqs, 0, 1, [1], 1.0)
+        plain += 1
+        assert plain < 200, "plain steps never probe a tree again"
+    assert plain >= 5  # not at once: a probe costs a round
+    probe = policy.choose(reqs, 1)
+    policy.observe(reqs, probe, 1, [1], 1.6)  # the probe still accepts nothing
+    assert policy.choose(reqs, 1) == 0
+    for _ in range(200):  # ... until the text turns predictable: probed rounds accept the whole tree
+        shape = policy.choose(reqs, 1)
+        policy.observe(reqs, shape, 1, [1 + (shapes[shape].depth + 1 if shapes[shape] else 0)], 1.0)
+    assert policy.choose(reqs, 1) == 2 and policy.choose(requests(None), 1) == 2  # the batch's ratio too
+
+
 def test_costs_follow_the_engine():
     """A step's measured time corrects its rows bucket for every shape (a longer KV span slows them all)."""
     costs = StepCosts(lambda s, rows: {0: 1.0, 1: 2.0}[s] * rows)

@@ -24,7 +24,9 @@ distribution whatever it picks (the verification is lossless for any tree, the r
 `fixed` always runs the configured tree (the engine before this policy). Costs are calibrated per (shape, rows
 bucket) on first need by timing a round of padding rows (SpecRunner.measure; at start-up on CUDA for every bucket,
 capturing the graphs), then followed from the running engine: each step's measured time corrects its bucket's
-estimate for every shape (`drift`), so a longer KV span or another load shows in every shape's cost alike.
+estimate for every shape (`drift`), so a longer KV span or another load shows in every shape's cost alike. A plain
+step moves every ratio a little back toward the prior (PROBE), so speculation that stopped paying is tried again
+now and then: a request whose text turns predictable, or a batch that shrinks, gets its trees back.
 """
 from __future__ import annotations
 
@@ -37,6 +39,12 @@ POLICIES = ("auto", "fixed")
 # "16 tokens, depth 3, top-4" tree measured in issue 22, and a chain-like 4-token one for lightly loaded big batches
 SMALLER_TREES = (TreeConfig(depth=3, top_k=4, total_tokens=16), TreeConfig(depth=1, top_k=2, total_tokens=4))
 EMA = 0.2  # weight of a new observation in the running averages (acceptance ratio, cost drift)
+# how far a plain step moves each acceptance ratio back toward the prior: a ratio is only observed on speculative
+# rounds, so without it a request (and the batch) that once fell below the break-even would decode plainly for good,
+# whatever its text or the load do later (on the H200 every Spec-Bench question ran plain after the warm-up). At
+# 0.02, after a probe that returned nothing (EMA pulls the ratio down) ~11 plain steps pass before the next: where
+# speculation never pays, about one step in twelve is a probe; near the break-even a probe costs next to nothing
+PROBE = 0.02
 
 
 def tree_shapes(tree: TreeConfig, policy: str) -> list[TreeConfig | None]:
@@ -112,7 +120,11 @@ class SpecPolicy:
         if self.policy == "fixed":  # nothing to decide: no cost to measure
             return
         self.costs.observe(shape, rows, seconds)
-        if self.shapes[shape] is None:
+        if self.shapes[shape] is None:  # nothing observed: the ratios drift back toward the prior (PROBE)
+            for r in reqs:
+                now = self.ratio(r)
+                r.accept_ratio = now + PROBE * (1.0 - now)
+            self.rho += PROBE * (1.0 - self.rho)
             return
         g = self.prior[shape] - 1
         for r, t in zip(reqs, tokens):
