@@ -1,7 +1,8 @@
 """`python -m plugins.check`: on the GPU, every CUDA op against the torch reference on random inputs.
 
-Window ops (unique_first, window_update, gather_rows) must agree bit for bit with the reference run on CPU
-copies of the same inputs: outputs and the whole window state after every step. packed_head must agree up to
+Window ops (unique_first_rows, window_update_rows, gather_rows) must agree bit for bit with the reference run on
+CPU copies of the same inputs: outputs and the whole window state after every step, one window alone (a batch of
+one row) and a batch of windows. packed_head must agree up to
 ties: its log-probs equal the top-k of a float64 model within 1e-4, and each returned id carries the log-prob
 the model gives that id. One check captures update + gather (copy stream) + head in a CUDA graph and replays
 it on fresh inputs; the last runs the batched engine's windows (trtllm_microspec/vocab/batched.py: plain torch
@@ -20,21 +21,27 @@ import torch.nn.functional as F
 from . import ops
 
 DEV = "cuda"  # what the checks compare with the reference on CPU (set to "cpu" to test the checker itself)
-STATE = ("ring", "head", "count", "slot_of", "id_of", "first")  # window_update's state arguments, in order
+STATE = ("ring", "head", "count", "slot_of", "id_of", "first")  # window_update_rows' state arguments, in order
 
 
-def new_window(V: int, W: int, pinned=(), device="cpu", R: int | None = None) -> dict:
-    """A fresh window state (layout in ops.py) with the pinned ids active in the first slots; R = W + pinned."""
+def new_window(V: int, W: int, pinned=(), device="cpu", R: int | None = None, slots: int = 1) -> dict:
+    """Fresh state of `slots` windows (layout in ops.py), the pinned ids active in the first slots of each;
+    R = W + pinned."""
     P = len(pinned)
     R = W + P if R is None else R
-    st = dict(ring=torch.full((W + 1,), -1), head=torch.zeros(1, dtype=torch.long),
-              count=torch.zeros(V + 1, dtype=torch.int32), slot_of=torch.full((V + 1,), -1),
-              id_of=torch.full((R + 1,), -1), first=torch.full((V + 1,), ops.BIG))
+    st = dict(ring=torch.full((slots, W + 1), -1), head=torch.zeros(slots, dtype=torch.long),
+              count=torch.zeros(slots, V + 1, dtype=torch.int32), slot_of=torch.full((slots, V + 1), -1),
+              id_of=torch.full((slots, R + 1), -1), first=torch.full((slots, V + 1), ops.BIG))
     p = torch.tensor(list(pinned), dtype=torch.long)
-    st["count"][p] = 1
-    st["slot_of"][p] = torch.arange(P)
-    st["id_of"][:P] = p
+    st["count"][:, p] = 1
+    st["slot_of"][:, p] = torch.arange(P)
+    st["id_of"][:, :P] = p
     return {k: v.to(device) for k, v in st.items()}
+
+
+def alone(device="cpu") -> torch.Tensor:
+    """The batch [1] of a window op's call on window 0 alone: one row."""
+    return torch.zeros(1, dtype=torch.long, device=device)
 
 
 def stream_ids(g: torch.Generator, V: int, n: int, pad: float) -> torch.Tensor:
@@ -98,12 +105,14 @@ def model_logp(hidden, packed, id_of) -> torch.Tensor:
 
 
 def check_unique_first() -> str:
+    """ops.unique_first_rows on one row (one window alone), up to the real vocabulary."""
     g = torch.Generator().manual_seed(0)
     cases = [(10, 50, 0.1), (1000, 1, 0.0), (128256, 20000, 0.1), (100, 0, 0.0), (100, 64, 1.0), (5, 3000, 0.3)]
     for V, n, pad in cases:
-        ids = stream_ids(g, V, n, pad)
-        first_c, first_g = torch.full((V + 1,), ops.BIG), torch.full((V + 1,), ops.BIG, device=DEV)
-        want, got = ops.unique_first(ids, first_c), ops.unique_first(ids.to(DEV), first_g)
+        ids = stream_ids(g, V, n, pad)[None]
+        first_c, first_g = torch.full((1, V + 1), ops.BIG), torch.full((1, V + 1), ops.BIG, device=DEV)
+        want = ops.unique_first_rows(ids, first_c, alone())
+        got = ops.unique_first_rows(ids.to(DEV), first_g, alone(DEV))
         err = diff(f"V={V} n={n}: output", got, want) or diff(f"V={V} n={n}: first", first_g, first_c)
         if err:
             raise AssertionError(err)
@@ -111,6 +120,7 @@ def check_unique_first() -> str:
 
 
 def check_window_update() -> str:
+    """ops.window_update_rows on one window alone (a batch of one row), up to the real shapes."""
     g = torch.Generator().manual_seed(1)
     # (V, W, pinned, R or None, append sizes): tiny windows with appends longer than W, empty and all-padding
     # appends, the real shape (W=3072, 128k vocabulary) with a long first append, and too few slots (R < W)
@@ -123,9 +133,9 @@ def check_window_update() -> str:
     for V, W, pinned, R, sizes in cases:
         cpu, gpu = new_window(V, W, pinned, R=R), new_window(V, W, pinned, DEV, R=R)
         for step, n in enumerate(sizes):
-            ids = stream_ids(g, V, n, pad=1.0 if step == 3 else 0.1)  # step 3: all padding
-            want = ops.window_update(*(cpu[k] for k in STATE), ids)
-            got = ops.window_update(*(gpu[k] for k in STATE), ids.to(DEV))
+            ids = stream_ids(g, V, n, pad=1.0 if step == 3 else 0.1)[None]  # step 3: all padding
+            want = ops.window_update_rows(*(cpu[k] for k in STATE), ids, alone())
+            got = ops.window_update_rows(*(gpu[k] for k in STATE), ids.to(DEV), alone(DEV))
             where = f"V={V} W={W} step {step} (n={n})"
             errs = [diff(f"{where}: {name}", got[i], want[i]) for i, name in enumerate(("ids", "slots"))]
             errs += [diff(f"{where}: {k}", gpu[k], cpu[k]) for k in STATE]
@@ -136,15 +146,14 @@ def check_window_update() -> str:
 
 
 def check_rows_ops() -> str:
-    """ops.unique_first_rows and ops.window_update_rows (a leading window dimension, one CUDA block per row) on
-    the GPU against the CPU reference, and each row against the single-window op on its window alone: appends to
-    a random subset of the windows in random order, longer than W and empty ones, padding rows (all -1) that
-    repeat one window; state, outputs and every window compared after each step."""
+    """ops.unique_first_rows and ops.window_update_rows over a batch of windows (one CUDA block per row) on the
+    GPU against the CPU reference, and each row against the same op on its window alone: appends to a random
+    subset of the windows in random order, longer than W and empty ones, padding rows (all -1) that repeat one
+    window; state, outputs and every window compared after each step."""
     g = torch.Generator().manual_seed(7)
     V, W, pinned, S, steps = 3000, 64, [0, 2999], 6, 12
-    alone = [new_window(V, W, pinned) for _ in range(S)]
-    cpu = {k: torch.stack([w[k] for w in alone]).reshape(S, -1).squeeze(1) if k == "head" else
-           torch.stack([w[k] for w in alone]) for k in STATE}
+    single = [new_window(V, W, pinned) for _ in range(S)]
+    cpu = new_window(V, W, pinned, slots=S)
     gpu = {k: v.to(DEV, copy=True) for k, v in cpu.items()}
     for step in range(steps):
         real = torch.randperm(S - 1, generator=g)[:1 + step % (S - 1)]  # window S-1: the padding rows'
@@ -159,17 +168,17 @@ def check_rows_ops() -> str:
         errs = [diff(f"{where}: unique_first_rows", ops.unique_first_rows(ids.to(DEV), first_g, batch.to(DEV)),
                      want_u), diff(f"{where}: unique_first_rows scratch", first_g, first_c)]
         errs += [diff(f"{where}: unique_first_rows row {b}", want_u[b],
-                      ops.unique_first(ids[b], torch.full((V + 1,), ops.BIG))) for b in range(len(real))]
+                      ops.unique_first_rows(ids[b:b + 1], torch.full((1, V + 1), ops.BIG), alone())[0])
+                 for b in range(len(real))]
         want = ops.window_update_rows(*(cpu[k] for k in STATE), ids, batch)
         got = ops.window_update_rows(*(gpu[k] for k in STATE), ids.to(DEV), batch.to(DEV))
         errs += [diff(f"{where}: {name}", got[i], want[i]) for i, name in enumerate(("ids", "slots"))]
         errs += [diff(f"{where}: {k}", gpu[k], cpu[k]) for k in STATE]
         for b, w in enumerate(real.tolist()):
-            one = ops.window_update(*(alone[w][k] for k in STATE), ids[b])
-            errs += [diff(f"{where}: row {b} {name} vs alone", want[i][b], one[i]) for i, name in
+            one = ops.window_update_rows(*(single[w][k] for k in STATE), ids[b:b + 1], alone())
+            errs += [diff(f"{where}: row {b} {name} vs alone", want[i][b], one[i][0]) for i, name in
                      enumerate(("ids", "slots"))]
-        errs += [diff(f"{where}: window {w}: {k} vs alone", cpu[k][w].reshape(-1), alone[w][k].reshape(-1))
-                 for w in range(S) for k in STATE]
+        errs += [diff(f"{where}: window {w}: {k} vs alone", cpu[k][w], single[w][k][0]) for w in range(S) for k in STATE]
         if any(errs):
             raise AssertionError(next(e for e in errs if e))
     return f"{S} windows, {steps} steps (padding rows, empty appends), vs the CPU and each window alone"
@@ -187,7 +196,7 @@ def check_gather_rows() -> str:
         dst = torch.randn(R + 1, d, generator=g).to(dtype)
         ids = torch.cat([torch.randint(V, (n,), generator=g), torch.zeros(pad, dtype=torch.long)])
         slots = torch.cat([torch.randperm(R, generator=g)[:n], torch.full((pad,), R)])
-        perm = torch.randperm(n + pad, generator=g)  # padding interleaved, as window_update returns it
+        perm = torch.randperm(n + pad, generator=g)  # padding interleaved, as window_update_rows returns it
         ids, slots = ids[perm], slots[perm]
         want, got = dst.clone(), dst.to(DEV)
         ops.gather_rows(src, ids, want, slots)
@@ -248,19 +257,21 @@ def check_graph() -> str:
     hidden_c = exact_inputs(g, T, d)
     cpu, gpu = new_window(V, W, pinned), new_window(V, W, pinned, DEV)
     R = W + len(pinned)
+    id_of_c, id_of_g = cpu["id_of"][0, :R], gpu["id_of"][0, :R]  # the window's packed slots
     packed_c = torch.zeros(R + 1, d, dtype=torch.bfloat16)
     ops.gather_rows(head_c, torch.tensor(pinned), packed_c, torch.arange(len(pinned)))
     head_g, hidden_g, packed_g = head_c.to(DEV), hidden_c.to(DEV), packed_c.to(DEV)
-    new_ids = torch.full((n,), -1, device=DEV)  # static input: appends shorter than n are padded with -1
+    new_ids = torch.full((1, n), -1, device=DEV)  # static input: appends shorter than n are padded with -1
+    batch = alone(DEV)
     copy = torch.cuda.Stream()
 
     def step():
-        rows, slots = ops.window_update(*(gpu[k] for k in STATE), new_ids)
+        rows, slots = ops.window_update_rows(*(gpu[k] for k in STATE), new_ids, batch)
         copy.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(copy):
-            ops.gather_rows(head_g, rows, packed_g, slots)
+            ops.gather_rows(head_g, rows[0], packed_g, slots[0])
         torch.cuda.current_stream().wait_stream(copy)
-        return ops.packed_head(hidden_g, packed_g[:R], gpu["id_of"][:R], k)
+        return ops.packed_head(hidden_g, packed_g[:R], id_of_g, k)
 
     side = torch.cuda.Stream()  # warm-up (all padding: leaves the state as it is), then capture
     side.wait_stream(torch.cuda.current_stream())
@@ -275,16 +286,17 @@ def check_graph() -> str:
         m = [n, 37, 0, 256, 120, 1, 200, 256][r]
         appended = stream_ids(g, V, m, pad=0.1)
         new_ids.fill_(-1)
-        new_ids[:m].copy_(appended)
+        new_ids[0, :m].copy_(appended)
         graph.replay()
         torch.cuda.synchronize()
-        rows, slots = ops.window_update(*(cpu[k] for k in STATE), torch.cat([appended, torch.full((n - m,), -1)]))
-        ops.gather_rows(head_c, rows, packed_c, slots)
+        rows, slots = ops.window_update_rows(*(cpu[k] for k in STATE),
+                                             torch.cat([appended, torch.full((n - m,), -1)])[None], alone())
+        ops.gather_rows(head_c, rows[0], packed_c, slots[0])
         errs = [diff(f"replay {r}: {k}", gpu[k], cpu[k]) for k in STATE]
         errs.append(diff(f"replay {r}: packed rows", packed_g[:R], packed_c[:R]))
-        live = cpu["id_of"][:R] >= 0
-        errs.append(diff(f"replay {r}: packed rows vs head rows", packed_c[:R][live], head_c[cpu["id_of"][:R][live]]))
-        err = head_error(logp, ids, model_logp(hidden_c, packed_c[:R], cpu["id_of"][:R]), cpu["id_of"][:R], k)
+        live = id_of_c >= 0
+        errs.append(diff(f"replay {r}: packed rows vs head rows", packed_c[:R][live], head_c[id_of_c[live]]))
+        err = head_error(logp, ids, model_logp(hidden_c, packed_c[:R], id_of_c), id_of_c, k)
         errs.append(err and f"replay {r}: packed_head: {err}")
         if any(errs):
             raise AssertionError(next(e for e in errs if e))
@@ -334,8 +346,9 @@ def check_batch_window() -> str:
     return f"{slots} slots, {rounds} rounds with joins and a rejoin, state, fill, packed rows and bmm head checked"
 
 
-CHECKS = [("unique_first", check_unique_first), ("window_update", check_window_update),
-          ("unique_first_rows, window_update_rows", check_rows_ops),
+CHECKS = [("unique_first_rows, one window", check_unique_first),
+          ("window_update_rows, one window", check_window_update),
+          ("unique_first_rows, window_update_rows, batch", check_rows_ops),
           ("gather_rows", check_gather_rows), ("packed_head, exact inputs", check_packed_head_exact),
           ("packed_head vs reference, random", check_packed_head_random), ("CUDA graph replay", check_graph),
           ("batched window", check_batch_window)]

@@ -42,12 +42,6 @@ def register() -> None:
     ext = load()
     fused_rows = ext.topk_max_rows()  # the epilogue keeps a row of logits in shared memory
 
-    def unique_first(ids, first):
-        return ext.unique_first(ids, first)
-
-    def window_update(ring, head, count, slot_of, id_of, first, new_ids):
-        return ext.window_update(ring, head, count, slot_of, id_of, first, new_ids)
-
     def unique_first_rows(ids, first, batch):
         return ext.unique_first_rows(ids, first, batch)
 
@@ -71,9 +65,7 @@ def register() -> None:
         logp, ids = ext.logsoftmax_topk(logits.reshape(B * T, R), id_of, k)
         return logp.view(B, T, k), ids.view(B, T, k)
 
-    ops.unique_first.register_kernel("cuda")(unique_first)
     ops.masked_topk.register_kernel("cuda")(masked_topk)
-    ops.window_update.register_kernel("cuda")(window_update)
     ops.unique_first_rows.register_kernel("cuda")(unique_first_rows)
     ops.window_update_rows.register_kernel("cuda")(window_update_rows)
     ops.gather_rows.register_kernel("cuda")(gather_rows)

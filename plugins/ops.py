@@ -4,14 +4,18 @@ The reference implementations are themselves free of host synchronisation and ha
 can be captured in CUDA graphs too; `plugins.cuda` registers fused CUDA kernels for the same ops when the
 extension builds (GPU machines only) and the tests / device checks compare the two on random inputs.
 
-Window state (all device tensors; one sentinel entry at the end of each array absorbs padded writes):
-  ring    [W+1]  int64  the last W stream entries (-1 = empty); ring[W] is the sentinel
-  head    [1]    int64  number of entries ever appended
-  count   [V+1]  int32  how many times each id occurs in the ring
-  slot_of [V+1]  int64  packed-buffer slot of each active id, -1 if inactive
-  id_of   [R+1]  int64  id held by each packed slot, -1 if free
+Window state: the MicroSpec windows of a batch's slots (trtllm_microspec/vocab/batched.py), all device tensors
+with a leading window dimension; one sentinel entry at the end of each row absorbs padded writes:
+  ring    [slots, W+1]  int64  the last W stream entries of each window (-1 = empty); ring[:, W] is the sentinel
+  head    [slots]       int64  number of entries ever appended
+  count   [slots, V+1]  int32  how many times each id occurs in the ring
+  slot_of [slots, V+1]  int64  packed-buffer slot of each active id, -1 if inactive
+  id_of   [slots, R+1]  int64  id held by each packed slot, -1 if free
+  first   [slots, V+1]  int64  scratch for first-occurrence de-duplication, all = BIG between calls
 Pinned ids (EOS ...) get a slot and a count of 1 at start that no eviction removes, so they never leave.
-  first   [V+1]  int64  scratch for first-occurrence de-duplication, all = BIG between calls
+The window ops take ids [B, n] (-1 = padding) and batch [B]: row b works on window batch[b] alone (one CUDA
+block per row; a single window is a batch of one row). The windows of batch are distinct, but for rows of
+padding only (all -1), which change nothing.
 """
 from __future__ import annotations
 
@@ -30,84 +34,10 @@ def _op(name: str, mutates_args=()):
     return wrap
 
 
-@_op("unique_first", mutates_args=("first",))
-def unique_first(ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """ids [n] (-1 = padding) -> same ids with every repeat after the first occurrence replaced by -1."""
-    n = ids.numel()
-    sentinel = first.numel() - 1
-    safe = torch.where(ids >= 0, ids, sentinel)
-    idx = torch.arange(n, device=ids.device)
-    first.scatter_reduce_(0, safe, idx, reduce="amin")
-    keep = (first[safe] == idx) & (ids >= 0)
-    first.index_fill_(0, safe, BIG)  # leave the scratch clean for the next call
-    return torch.where(keep, ids, -1)
-
-
-@unique_first.register_fake
-def _(ids, first):
-    return torch.empty_like(ids)
-
-
-@_op("window_update", mutates_args=("ring", "head", "count", "slot_of", "id_of", "first"))
-def window_update(ring: torch.Tensor, head: torch.Tensor, count: torch.Tensor, slot_of: torch.Tensor,
-                  id_of: torch.Tensor, first: torch.Tensor, new_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append new_ids (-1 = padding, skipped) to the FIFO stream, evict what falls out of the window, and
-    give newly active ids a free slot. Returns (ids, slots) [2n] of rows to gather (slot = R for padding)."""
-    W, V, R = ring.numel() - 1, count.numel() - 1, id_of.numel() - 1
-    valid = new_ids >= 0
-    rank = torch.cumsum(valid.long(), 0) - 1
-    m = rank[-1:] + 1 if new_ids.numel() else head * 0
-    keep = valid & (rank >= m - W)  # only the last W entries of one append can stay in the window
-    pos = torch.where(keep, (head + rank) % W, W)
-    old = ring[pos]
-    evicted = torch.where(keep, old, -1)  # the entry this one overwrites (-1 while the ring is filling)
-    count.index_add_(0, torch.where(evicted >= 0, evicted, V), torch.full_like(evicted, -1, dtype=count.dtype))
-    ring.index_copy_(0, pos, torch.where(keep, new_ids, -1))
-    added = torch.where(keep, new_ids, -1)
-    count.index_add_(0, torch.where(added >= 0, added, V), torch.ones_like(added, dtype=count.dtype))
-    count[V:].fill_(0)  # fill_ on slices, not scalar setitem: graph-capturable
-    ring[W:].fill_(-1)
-    head.add_(m)
-
-    touched = torch.cat([evicted, added])
-    safe = torch.where(touched >= 0, touched, V)
-    # free the slots of ids that left the window (idempotent, so repeats need no de-duplication)
-    gone = (touched >= 0) & (count[safe] == 0) & (slot_of[safe] >= 0)
-    id_of.index_fill_(0, torch.where(gone, slot_of[safe], R), -1)
-    slot_of.index_fill_(0, torch.where(gone, safe, V), -1)
-    # give each id that entered the window (counted once) the next free slot, in order of appearance
-    fresh = unique_first(torch.where((touched >= 0) & (count[safe] > 0) & (slot_of[safe] < 0), touched, -1), first)
-    is_new = fresh >= 0
-    free = id_of[:R] < 0
-    free_rank = torch.cumsum(free.long(), 0) - 1
-    slot_by_rank = torch.full((R + 1,), R, dtype=torch.long, device=ring.device)
-    slot_by_rank.index_copy_(0, torch.where(free, free_rank, R), torch.arange(R, device=ring.device))
-    slot_by_rank[R:].fill_(R)
-    new_rank = torch.cumsum(is_new.long(), 0) - 1
-    slots = torch.where(is_new, slot_by_rank[new_rank.clamp(0, R)], R)
-    ids = torch.where(is_new, fresh, V)
-    slot_of.index_copy_(0, ids, slots)
-    id_of.index_copy_(0, slots, ids)
-    slot_of[V:].fill_(-1)
-    id_of[R:].fill_(-1)
-    return torch.where(is_new, fresh, 0), slots
-
-
-@window_update.register_fake
-def _(ring, head, count, slot_of, id_of, first, new_ids):
-    n = 2 * new_ids.numel()
-    return new_ids.new_empty(n), new_ids.new_empty(n)
-
-
-# The same two ops over the windows of a batch (trtllm_microspec/vocab/batched.py): every state array gains a leading
-# window dimension ([slots, W+1], [slots], [slots, V+1], [slots, V+1], [slots, R+1], [slots, V+1]) and row b of the
-# ids [B, n] works on window batch[b] exactly as the op above on that window alone (one CUDA block per row). The
-# windows of batch are distinct, but for rows of padding only (all -1), which change nothing.
-
 @_op("unique_first_rows", mutates_args=("first",))
 def unique_first_rows(ids: torch.Tensor, first: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    """unique_first per row: ids [B, n] (-1 = padding) -> each row with repeats after the row's first occurrence
-    replaced by -1; first [slots, V+1] the scratch of each window (all = BIG between calls), batch [B]."""
+    """ids [B, n] (-1 = padding) -> each row with every repeat after the row's first occurrence of an id replaced
+    by -1; first [slots, V+1] the scratch of each window (all = BIG between calls), row b uses batch[b]'s."""
     B, n = ids.shape
     flat, sentinel = first.view(-1), first.shape[1] - 1
     at = batch[:, None] * first.shape[1] + torch.where(ids >= 0, ids, sentinel)
@@ -127,7 +57,8 @@ def _(ids, first, batch):
 def window_update_rows(ring: torch.Tensor, head: torch.Tensor, count: torch.Tensor, slot_of: torch.Tensor,
                        id_of: torch.Tensor, first: torch.Tensor, new_ids: torch.Tensor,
                        batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """window_update of row b of new_ids [B, n] into window batch[b]. Returns (ids, slots) [B, 2n]: the rows to
+    """Append row b of new_ids [B, n] (-1 = padding, skipped) to the FIFO stream of window batch[b], evict what
+    falls out of the window, and give newly active ids a free slot. Returns (ids, slots) [B, 2n]: the rows to
     gather, slots within each window's packed rows (R for padding)."""
     B, n = new_ids.shape
     W, V, R = ring.shape[1] - 1, count.shape[1] - 1, id_of.shape[1] - 1

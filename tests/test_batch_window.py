@@ -1,5 +1,5 @@
 """The batched MicroSpec window (vocab/batched.py) against B independent single-request windows (WindowVocab below,
-the plain reference, on the ops.window_update custom op): after every round the same active ids in the same packed slots, the same packed rows, the same state,
+the plain reference, each on ops.window_update_rows with a batch of one window): after every round the same active ids in the same packed slots, the same packed rows, the same state,
 the same fill and the same draft-head outputs, over random streams whose windows (W_max 16) wrap many times. Then
 the fill (strategies.Fill) against a plain-Python reference of its rule over random rounds."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ V, W, D, K, PINNED, SLOTS = 300, 16, 8, 4, [7, 0], 4
 
 class WindowVocab:
     """One request's MicroSpec window, the plain reference of BatchWindow: the FIFO window over the candidate
-    stream by ops.window_update (state layout in plugins/ops.py), with an optional fill (strategies.Fill). Its packed rows are [fill F | window R | sink]: the fill's rows are gathered
+    stream by ops.window_update_rows on this one window (state layout in plugins/ops.py), with an optional fill (strategies.Fill). Its packed rows are [fill F | window R | sink]: the fill's rows are gathered
     once, and one packed_head over the first F + R rows scores both, the fill ids not kept masked as -1."""
 
     FLAGS = Window.FLAGS
@@ -39,6 +39,7 @@ class WindowVocab:
         self.slot_of = torch.full((V + 1,), -1, dtype=torch.long, device=dev)
         self.ids_all = torch.full((F + R + 1,), -1, dtype=torch.long, device=dev)
         self.first = torch.full((V + 1,), ops.BIG, dtype=torch.long, device=dev)
+        self.alone = torch.zeros(1, dtype=torch.long, device=dev)  # the window ops' batch: this one window
         self.rows_all = torch.zeros(F + R + 1, d, dtype=head.dtype, device=dev)  # last row: sink for padding
         # the window's own state (plugins/ops.py's id_of and its packed rows) is the part after the fill
         self.id_of_all, self.packed_all = self.ids_all[F:], self.rows_all[F:]
@@ -67,8 +68,9 @@ class WindowVocab:
     def _append(self, ids: torch.Tensor) -> None:
         if ids.numel() == 0:
             return
-        rows, slots = ops.window_update(self.ring, self.head_pos, self.count, self.slot_of, self.id_of_all,
-                                        self.first, ids)
+        rows, slots = ops.window_update_rows(self.ring[None], self.head_pos, self.count[None], self.slot_of[None],
+                                             self.id_of_all[None], self.first[None], ids[None], self.alone)
+        rows, slots = rows[0], slots[0]
         if not self.use_packed:
             return
         if self.copy_stream is None:
@@ -91,17 +93,20 @@ class WindowVocab:
             free = self.R - (self.id_of_all[:self.R] >= 0).sum()
             self.fill_id_of.copy_(self.fill.keep(self.slot_of[self.fill.ids] >= 0, free))
 
+    def _unique(self, ids: torch.Tensor) -> torch.Tensor:
+        return ops.unique_first_rows(ids[None], self.first[None], self.alone)[0]
+
     def start(self, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor, first_topk: torch.Tensor) -> None:
         self.reset()
         if self.use_prompt:
-            self._append(torch.cat([prompt_ids, ops.unique_first(prompt_topk, self.first)]))
+            self._append(torch.cat([prompt_ids, self._unique(prompt_topk)]))
         else:
             self._append(first_topk)
         self._refill()
 
     def update(self, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
         if self.use_rounds:
-            self._append(torch.cat([ops.unique_first(tree_ids, self.first), ops.unique_first(ver_ids, self.first)]))
+            self._append(torch.cat([self._unique(tree_ids), self._unique(ver_ids)]))
             self._refill()
 
     def head(self, hidden: torch.Tensor, k: int):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plugins import ops
-from plugins.check import STATE, new_window
+from plugins.check import STATE, alone, new_window
 
 
 class WindowModel:
@@ -39,7 +39,9 @@ class WindowModel:
 
 
 def check_state(st: dict, model: WindowModel, V: int) -> None:
+    """st: one window's state (new_window's, window 0) against the model."""
     W, R = model.W, model.R
+    st = {k: v[0] for k, v in st.items()}
     assert st["head"].item() == len(model.stream)
     ring = [-1] * W
     for j in range(max(0, len(model.stream) - W), len(model.stream)):
@@ -78,14 +80,15 @@ def test_window_update_matches_model(V, W, pinned, sizes):
     d = 8
     head_w = torch.randn(V, d, generator=g)
     st = new_window(V, W, pinned)
-    R = st["id_of"].numel() - 1
+    R = st["id_of"].shape[1] - 1
     packed = torch.zeros(R + 1, d)
     if pinned:
         ops.gather_rows(head_w, torch.tensor(pinned), packed, torch.arange(len(pinned)))
     model = WindowModel(W, R, pinned)
     for step, n in enumerate(sizes):
         ids = random_ids(g, V, n, pad=1.0 if step == 3 else 0.1)  # step 3: all padding
-        rows, slots = ops.window_update(*(st[k] for k in STATE), ids)
+        rows, slots = ops.window_update_rows(*(st[k] for k in STATE), ids[None], alone())  # one window: one row
+        rows, slots = rows[0], slots[0]
         new = model.append(ids.tolist())
         assert rows.numel() == slots.numel() == 2 * n
         real = slots < R
@@ -93,20 +96,21 @@ def test_window_update_matches_model(V, W, pinned, sizes):
         assert bool((rows[~real] == 0).all())
         check_state(st, model, V)
         ops.gather_rows(head_w, rows, packed, slots)
-        active = st["id_of"][:R] >= 0
-        assert torch.equal(packed[:R][active], head_w[st["id_of"][:R][active]])
+        id_of = st["id_of"][0, :R]
+        active = id_of >= 0
+        assert torch.equal(packed[:R][active], head_w[id_of[active]])
 
 
 def test_unique_first_keeps_first_occurrences():
     g = torch.Generator().manual_seed(1)
-    first = torch.full((51,), ops.BIG)
+    first = torch.full((1, 51), ops.BIG)
     for n in (0, 1, 7, 200):
         ids = random_ids(g, 50, n, pad=0.2)
         seen, want = set(), []
         for i in ids.tolist():
             want.append(i if i >= 0 and i not in seen else -1)
             seen.add(i)
-        assert ops.unique_first(ids, first).tolist() == want
+        assert ops.unique_first_rows(ids[None], first, alone()).tolist() == [want]
         assert bool((first == ops.BIG).all())
 
 
@@ -115,16 +119,16 @@ def test_packed_head_equals_full_vocabulary_restricted_to_active_ids():
     V, W, d, k = 500, 64, 32, 6
     head_w = torch.randn(V, d, generator=g)
     st = new_window(V, W, [5])
-    R = st["id_of"].numel() - 1
+    R = st["id_of"].shape[1] - 1
     packed = torch.zeros(R + 1, d)
     ops.gather_rows(head_w, torch.tensor([5]), packed, torch.tensor([0]))
     for n in (100, 30, 30):
-        rows, slots = ops.window_update(*(st[k] for k in STATE), random_ids(g, V, n))
-        ops.gather_rows(head_w, rows, packed, slots)
+        rows, slots = ops.window_update_rows(*(st[k] for k in STATE), random_ids(g, V, n)[None], alone())
+        ops.gather_rows(head_w, rows[0], packed, slots[0])
     hidden = torch.randn(3, d, generator=g)
-    logp, ids = ops.packed_head(hidden, packed[:R], st["id_of"][:R], k)
+    logp, ids = ops.packed_head(hidden, packed[:R], st["id_of"][0, :R], k)
 
-    logits = (hidden.double() @ head_w.double().T).masked_fill(st["slot_of"][:V] < 0, float("-inf"))
+    logits = (hidden.double() @ head_w.double().T).masked_fill(st["slot_of"][0, :V] < 0, float("-inf"))
     want_logp, want_ids = torch.log_softmax(logits, -1).topk(k)
     assert torch.equal(ids, want_ids)
     assert torch.allclose(logp.double(), want_logp, atol=1e-5)
@@ -140,8 +144,8 @@ def test_packed_head_with_fewer_active_ids_than_k():
 
 
 def test_rows_ops_match_each_window_alone(monkeypatch):
-    """ops.unique_first_rows / ops.window_update_rows (the batched engine's windows): every row exactly the
-    single-window op on its own window, padding rows change nothing (plugins.check's GPU check, on the CPU
+    """ops.unique_first_rows / ops.window_update_rows over a batch of windows (the batched engine's): every row
+    exactly the op on its own window alone, padding rows change nothing (plugins.check's GPU check, on the CPU
     reference)."""
     import plugins.check as check
 

@@ -3,10 +3,6 @@
 
 #include <tuple>
 
-at::Tensor unique_first(at::Tensor ids, at::Tensor first);
-std::tuple<at::Tensor, at::Tensor> window_update(at::Tensor ring, at::Tensor head, at::Tensor count,
-                                                 at::Tensor slot_of, at::Tensor id_of, at::Tensor first,
-                                                 at::Tensor new_ids);
 at::Tensor unique_first_rows(at::Tensor ids, at::Tensor first, at::Tensor batch);
 std::tuple<at::Tensor, at::Tensor> window_update_rows(at::Tensor ring, at::Tensor head, at::Tensor count,
                                                       at::Tensor slot_of, at::Tensor id_of, at::Tensor first,
@@ -16,8 +12,6 @@ std::tuple<at::Tensor, at::Tensor> logsoftmax_topk(at::Tensor logits, at::Tensor
 int64_t topk_max_rows();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("unique_first", &unique_first, "ops.unique_first");
-  m.def("window_update", &window_update, "ops.window_update");
   m.def("unique_first_rows", &unique_first_rows, "ops.unique_first_rows");
   m.def("window_update_rows", &window_update_rows, "ops.window_update_rows");
   m.def("gather_rows", &gather_rows, "ops.gather_rows (skips rows aimed at the last row of dst)");

@@ -14,7 +14,7 @@
 namespace {
 
 constexpr int64_t kBig = int64_t(1) << 62;  // ops.BIG: every entry of `first` holds it between calls
-constexpr int kWindowThreads = 1024;        // window_update / unique_first: one block does the whole update
+constexpr int kWindowThreads = 1024;        // window ops: one block does the whole update of one window
 constexpr int kGatherThreads = 128;         // gather_rows: one block per row
 constexpr int kTopkThreads = 512;           // logsoftmax_topk: one block per row of logits
 constexpr int kTopkMaxRows = 8192;          // packed rows held in shared memory (32 KB); plugins/cuda.py agrees
@@ -57,20 +57,17 @@ __device__ int block_scan(int v, int* total) {
   return before + x - v;
 }
 
-// ---- unique_first: keep the first occurrence of each id, -1 elsewhere ------------------------------------
+// ---- unique_first_rows: keep the first occurrence of each id in a row, -1 elsewhere ------------------------
+// Block b dedups row b of ids [B, n] in the scratch of window batch[b] (first [slots, V+1]).
 // Pass 1: first[id] = min index (atomicMin). Pass 2: an entry is first iff first[id] == its index; that entry
 // also resets first[id] to BIG. A later duplicate reads either the first index or BIG, neither its own index,
 // so the reset needs no extra barrier.
-// batch: the window of each block (ops.unique_first_rows: block b dedups row b of ids [B, n] in the scratch of
-// window batch[b], first [slots, V+1]); nullptr: one block, one window (ops.unique_first).
 __global__ void __launch_bounds__(kWindowThreads)
 unique_first_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t* first, int64_t V, int64_t* out,
                     const int64_t* __restrict__ batch) {
-  if (batch != nullptr) {
-    ids += blockIdx.x * n;
-    out += blockIdx.x * n;
-    first += batch[blockIdx.x] * (V + 1);
-  }
+  ids += blockIdx.x * n;
+  out += blockIdx.x * n;
+  first += batch[blockIdx.x] * (V + 1);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     int64_t id = ids[i];
     if (id >= 0 && id < V) atomicMin(reinterpret_cast<long long*>(first + id), static_cast<long long>(i));
@@ -84,27 +81,24 @@ unique_first_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t* first, 
   }
 }
 
-// ---- window_update: one block, five phases separated by barriers -------------------------------------------
-// touched[2n] = [evicted entries, added entries] lives in out_ids; out_slots first serves as the list of newly
-// active ids by rank, then receives the slots. Mirrors ops.window_update step by step.
-// batch: the window of each block (ops.window_update_rows: block b appends row b of new_ids [B, n] to window
-// batch[b] of state arrays with a leading window dimension); nullptr: one block, one window (ops.window_update).
+// ---- window_update_rows: one block per row, five phases separated by barriers ------------------------------
+// Block b appends row b of new_ids [B, n] to window batch[b] of the state arrays (a leading window dimension).
+// touched[2n] = [evicted entries, added entries] lives in the row's out_ids; its out_slots first serve as the
+// list of newly active ids by rank, then receive the slots. Mirrors ops.window_update_rows step by step.
 __global__ void __launch_bounds__(kWindowThreads)
 window_update_kernel(int64_t* ring, int64_t W, int64_t* head, int* count, int64_t V, int64_t* slot_of,
                      int64_t* id_of, int64_t R, int64_t* first, const int64_t* __restrict__ new_ids, int64_t n,
                      int64_t* out_ids, int64_t* out_slots, const int64_t* __restrict__ batch) {
-  if (batch != nullptr) {
-    const int64_t w = batch[blockIdx.x];
-    ring += w * (W + 1);
-    head += w;
-    count += w * (V + 1);
-    slot_of += w * (V + 1);
-    id_of += w * (R + 1);
-    first += w * (V + 1);
-    new_ids += blockIdx.x * n;
-    out_ids += blockIdx.x * 2 * n;
-    out_slots += blockIdx.x * 2 * n;
-  }
+  const int64_t w = batch[blockIdx.x];
+  ring += w * (W + 1);
+  head += w;
+  count += w * (V + 1);
+  slot_of += w * (V + 1);
+  id_of += w * (R + 1);
+  first += w * (V + 1);
+  new_ids += blockIdx.x * n;
+  out_ids += blockIdx.x * 2 * n;
+  out_slots += blockIdx.x * 2 * n;
   int64_t* touched = out_ids;
   int64_t* new_by_rank = out_slots;
   int64_t lo, hi;
@@ -152,7 +146,7 @@ window_update_kernel(int64_t* ring, int64_t W, int64_t* head, int* count, int64_
   }
   __syncthreads();
 
-  // 3. ids in the window without a slot, first occurrence in touched order (unique_first, as above)
+  // 3. ids in the window without a slot, first occurrence in touched order (as unique_first_kernel)
   for (int64_t j = lo; j < hi; ++j) {
     const int64_t t = touched[j];
     const int64_t c = t >= 0 && count[t] > 0 && slot_of[t] < 0 ? t : -1;
@@ -306,30 +300,21 @@ void check_long(const at::Tensor& t, const char* name) {
               " must be a contiguous int64 CUDA tensor");
 }
 
-}  // namespace
-
-at::Tensor unique_first(at::Tensor ids, at::Tensor first) {
-  check_long(first, "first");
-  ids = ids.contiguous();
-  check_long(ids, "ids");
-  const c10::cuda::CUDAGuard guard(ids.device());
-  at::Tensor out = at::empty_like(ids);
-  if (ids.numel() == 0) return out;
-  unique_first_kernel<<<1, kWindowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      ids.data_ptr<int64_t>(), ids.numel(), first.data_ptr<int64_t>(), first.numel() - 1, out.data_ptr<int64_t>(),
-      nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
-
-at::Tensor unique_first_rows(at::Tensor ids, at::Tensor first, at::Tensor batch) {
-  check_long(first, "first");
+// The arguments both window ops share: ids [B, n] and batch [B] (made contiguous), the scratch first [slots, V+1].
+void check_rows(at::Tensor& ids, at::Tensor& batch, const at::Tensor& first, const char* op) {
   ids = ids.contiguous();
   batch = batch.contiguous();
   check_long(ids, "ids");
   check_long(batch, "batch");
-  TORCH_CHECK(ids.dim() == 2 && first.dim() == 2 && batch.dim() == 1 && batch.size(0) == ids.size(0),
-              "unique_first_rows: ids [B, n], first [slots, V+1], batch [B]");
+  check_long(first, "first");
+  TORCH_CHECK(ids.dim() == 2 && first.dim() == 2 && batch.dim() == 1 && batch.size(0) == ids.size(0), op,
+              ": ids [B, n], first [slots, V+1], batch [B]");
+}
+
+}  // namespace
+
+at::Tensor unique_first_rows(at::Tensor ids, at::Tensor first, at::Tensor batch) {
+  check_rows(ids, batch, first, "unique_first_rows");
   const c10::cuda::CUDAGuard guard(ids.device());
   at::Tensor out = at::empty_like(ids);
   if (ids.numel() == 0) return out;
@@ -340,50 +325,18 @@ at::Tensor unique_first_rows(at::Tensor ids, at::Tensor first, at::Tensor batch)
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> window_update(at::Tensor ring, at::Tensor head, at::Tensor count,
-                                                 at::Tensor slot_of, at::Tensor id_of, at::Tensor first,
-                                                 at::Tensor new_ids) {
-  check_long(ring, "ring");
-  check_long(head, "head");
-  check_long(slot_of, "slot_of");
-  check_long(id_of, "id_of");
-  check_long(first, "first");
-  TORCH_CHECK(count.is_cuda() && count.scalar_type() == at::kInt && count.is_contiguous(),
-              "count must be a contiguous int32 CUDA tensor");
-  new_ids = new_ids.contiguous();
-  check_long(new_ids, "new_ids");
-  const int64_t W = ring.numel() - 1, V = count.numel() - 1, R = id_of.numel() - 1, n = new_ids.numel();
-  TORCH_CHECK(W > 0 && R > 0 && slot_of.numel() == V + 1 && first.numel() == V + 1 && head.numel() == 1,
-              "window state shapes do not match (see plugins/ops.py)");
-  TORCH_CHECK(2 * n < (int64_t(1) << 31) && R < (int64_t(1) << 31), "window_update: too many entries");
-  const c10::cuda::CUDAGuard guard(ring.device());
-  at::Tensor out_ids = at::empty({2 * n}, new_ids.options());
-  at::Tensor out_slots = at::empty({2 * n}, new_ids.options());
-  window_update_kernel<<<1, kWindowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      ring.data_ptr<int64_t>(), W, head.data_ptr<int64_t>(), count.data_ptr<int>(), V, slot_of.data_ptr<int64_t>(),
-      id_of.data_ptr<int64_t>(), R, first.data_ptr<int64_t>(), new_ids.data_ptr<int64_t>(), n,
-      out_ids.data_ptr<int64_t>(), out_slots.data_ptr<int64_t>(), nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {out_ids, out_slots};
-}
-
 std::tuple<at::Tensor, at::Tensor> window_update_rows(at::Tensor ring, at::Tensor head, at::Tensor count,
                                                       at::Tensor slot_of, at::Tensor id_of, at::Tensor first,
                                                       at::Tensor new_ids, at::Tensor batch) {
+  check_rows(new_ids, batch, first, "window_update_rows");
   check_long(ring, "ring");
   check_long(head, "head");
   check_long(slot_of, "slot_of");
   check_long(id_of, "id_of");
-  check_long(first, "first");
   TORCH_CHECK(count.is_cuda() && count.scalar_type() == at::kInt && count.is_contiguous(),
               "count must be a contiguous int32 CUDA tensor");
-  new_ids = new_ids.contiguous();
-  batch = batch.contiguous();
-  check_long(new_ids, "new_ids");
-  check_long(batch, "batch");
-  TORCH_CHECK(ring.dim() == 2 && count.dim() == 2 && slot_of.dim() == 2 && id_of.dim() == 2 && first.dim() == 2 &&
-              head.dim() == 1 && new_ids.dim() == 2 && batch.dim() == 1 && batch.size(0) == new_ids.size(0),
-              "window_update_rows: state with a leading window dimension, new_ids [B, n], batch [B]");
+  TORCH_CHECK(ring.dim() == 2 && count.dim() == 2 && slot_of.dim() == 2 && id_of.dim() == 2 && head.dim() == 1,
+              "window_update_rows: window state with a leading window dimension (see plugins/ops.py)");
   const int64_t S = ring.size(0), W = ring.size(1) - 1, V = count.size(1) - 1, R = id_of.size(1) - 1;
   const int64_t B = new_ids.size(0), n = new_ids.size(1);
   TORCH_CHECK(W > 0 && R > 0 && count.size(0) == S && slot_of.size(0) == S && id_of.size(0) == S &&

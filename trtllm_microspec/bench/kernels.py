@@ -6,9 +6,9 @@ flushed before each replay (in a real round the target model evicts everything i
                                        log-softmax + top-k + slot -> id. "torch epilogue" is the reference op
                                        on the same buffer (A/B of the fused epilogue), "GEMM only" is F.linear.
   gather delta / refill                ops.gather_rows of one step's newly active rows (the mean over a synthetic
-                                       Zipf(1) stream, inside window_update's padded output of 2 x --step-ids
+                                       Zipf(1) stream, inside the window update's padded output of 2 x --step-ids
                                        rows), and of all W_max rows (a request's start)
-  window update                        ops.window_update of --step-ids ids from that stream
+  window update                        ops.window_update_rows of --step-ids ids from that stream (one window)
   step ...                             one draft step: the EAGLE backbone (fc + one decoder layer at the model's
                                        shape, random bf16 weights, 1024 cached positions) then the head:
                                        full, static 32k, static 3k (an already-packed buffer), microspec (update,
@@ -101,7 +101,7 @@ class Timer:
 
 def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
     from plugins import ops
-    from plugins.check import STATE, new_window
+    from plugins.check import STATE, alone, new_window
 
     from ..speculative.eagle import EagleDraft
 
@@ -125,17 +125,22 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
         return perm[rank]
 
     st = new_window(V, W, PINNED, dev)
-    state = [st[k] for k in STATE]
+    one = alone(dev)  # the window ops' batch: this one window
+
+    def update(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, slots = ops.window_update_rows(*(st[k] for k in STATE), ids[None], one)
+        return rows[0], slots[0]
+
     R = W + len(PINNED)
     packed_all = torch.zeros(R + 1, d, dtype=bf16, device=dev)
-    packed, id_of = packed_all[:R], st["id_of"][:R]
+    packed, id_of = packed_all[:R], st["id_of"][0, :R]
     ops.gather_rows(head, torch.tensor(PINNED, device=dev), packed_all, torch.arange(len(PINNED), device=dev))
-    rows, slots = ops.window_update(*state, zipf(4 * W))
+    rows, slots = update(zipf(4 * W))
     ops.gather_rows(head, rows, packed_all, slots)
     pool = torch.stack([zipf(a.step_ids) for _ in range(64)])
     fresh = torch.zeros((), dtype=torch.long, device=dev)
     for ids in pool:  # eagerly, once: how many rows a step really gathers
-        rows, slots = ops.window_update(*state, ids)
+        rows, slots = update(ids)
         ops.gather_rows(head, rows, packed_all, slots)
         fresh += (slots < R).sum()
     delta = max(1, round(fresh.item() / len(pool)))
@@ -164,7 +169,7 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
     full_ids, full_slots = torch.randint(V, (W,), generator=g, device=dev), torch.arange(W, device=dev)
     add(f"gather refill ({W} rows)", "-", timer(lambda: ops.gather_rows(head, full_ids, scratch, full_slots)),
         2 * W * d * 2)
-    add(f"window update ({a.step_ids} ids)", "-", timer(lambda: ops.window_update(*state, step_ids), feed), None)
+    add(f"window update ({a.step_ids} ids)", "-", timer(lambda: update(step_ids), feed), None)
 
     heads = {"full": (head, torch.arange(V, device=dev)),
              "static 32k": (head[:STATIC_K], torch.arange(STATIC_K, device=dev))}
@@ -195,7 +200,7 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
 
         def microspec_step(gather: str):
             def step():
-                rows, slots = ops.window_update(*state, step_ids)
+                rows, slots = update(step_ids)
                 cur = torch.cuda.current_stream()
                 if gather == "copy stream":  # the paper's pipeline: the copy hides behind the backbone
                     copy.wait_stream(cur)
@@ -210,7 +215,7 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
             return step
 
         def naive_step():
-            ops.window_update(*state, step_ids)
+            update(step_ids)
             return ops.packed_head(backbone(), head[id_of.clamp(min=0)], id_of, K)
 
         steps = {"step full": (static_step("full"), V), "step static 32k": (static_step("static 32k"), STATIC_K),

@@ -2,12 +2,12 @@
 membership and size are each one set of tensor ops over the whole batch, with no Python loop over requests.
 
   SharedVocab  full (EAGLE-2) or static (FR-Spec) rows, the same for every request: one GEMM over all B x T rows.
-  BatchWindow  the MicroSpec window of every batch slot: a window's state (layout in plugins/ops.py) with a
-               leading batch-slot dimension. Its update is ops.window_update_rows / ops.unique_first_rows: each
+  BatchWindow  the MicroSpec window of every batch slot: the window state of plugins/ops.py, one window per
+               batch slot. Its update is ops.window_update_rows / ops.unique_first_rows: each
                request's row works on its own slot's window alone (one CUDA block per request; the torch reference
                through flat views, slot * row length + index), so no request ever reads or writes another's window
                and a round's update is a handful of kernels, not ~150. tests/test_batch_window.py checks it against
-               one plain window per request (ops.window_update). The fill (strategies.Fill) of each slot is kept
+               one plain window per request (the same ops on a batch of one window). The fill (strategies.Fill) of each slot is kept
                beside it, [slots, F], and its rows are one [F, d] buffer that every slot shares.
 
 `batch` below is always a LongTensor [B] of the running requests' batch slots (distinct), in batch order.
@@ -179,7 +179,7 @@ class BatchWindow:
         self.fill_id_of.index_copy_(0, batch, self.fill.keep(in_window, free))
 
     def _append(self, batch: torch.Tensor, new_ids: torch.Tensor) -> None:
-        """ops.window_update for every request at once: row b of new_ids [B, n] (-1 = padding, skipped) joins
+        """ops.window_update_rows for every request at once: row b of new_ids [B, n] (-1 = padding, skipped) joins
         the FIFO stream of slot batch[b]; then the gather of every newly active row, on the copy stream."""
         B, n = new_ids.shape
         if n == 0:
