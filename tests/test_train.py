@@ -16,7 +16,7 @@ from trtllm_microspec import LLM
 from trtllm_microspec.cli import main
 from trtllm_microspec.data import sharegpt_conversations
 from trtllm_microspec.engine.loader import load_target
-from trtllm_microspec.models.model import Span
+from trtllm_microspec.models.model import KVCache, Span
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.models.tokenizer import Tokenizer
 from trtllm_microspec.speculative.eagle import load_draft
@@ -86,10 +86,11 @@ def test_unrolled_step_sees_what_a_tree_node_sees(engine_dir, convs, trained):
         i = a + 6
         m = i - a + 1
         zero = torch.zeros((), dtype=torch.long)
+        cache = KVCache(draft.cfg, 1, torch.float32, CPU)
         h = draft.hidden(p.tokens[a + 1:i + 2], p.feats[a:i + 1], p.positions[a:i + 1], torch.arange(m),
-                         Span(zero, causal(m, CPU), m))
+                         Span(zero, causal(m, CPU), m), cache)
         nxt = draft.hidden(p.tokens[i + 2:i + 3], h[-1:], p.positions[i:i + 1] + 1, torch.tensor([m]),
-                           Span(zero + m, torch.ones(1, 1, dtype=torch.bool), m + 1))
+                           Span(zero + m, torch.ones(1, 1, dtype=torch.bool), m + 1), cache)
     torch.testing.assert_close(h, h0[a:i + 1], atol=1e-4, rtol=1e-4)  # blind to the first conversation
     torch.testing.assert_close(nxt[0], h1[i], atol=1e-4, rtol=1e-4)
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..models.model import ModelConfig, Span
+from ..models.model import KVCache, ModelConfig, Span
 from ..models.registry import UserError
 from ..speculative.tree import causal
 
@@ -114,6 +114,7 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
     with torch.device(dev):
         draft = EagleDraft(cfg, bias=False)
     draft.setup(HeadEmbedding(head), bf16, dev)
+    dcache = KVCache(cfg, 1, bf16, dev)  # the draft layer's K and V: CONTEXT committed positions and the rows
     backbone_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
     backbone_bytes += 2 * cfg.num_kv_heads * CONTEXT * cfg.head_dim * 2  # K and V of the context
 
@@ -192,7 +193,7 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
         span = Span(torch.tensor(CONTEXT, device=dev), causal(T, dev), CONTEXT + T)
 
         def backbone():
-            return draft.hidden(tokens, feats, kv, kv, span)
+            return draft.hidden(tokens, feats, kv, kv, span, dcache)
 
         def static_step(kind):
             buf, ids = heads[kind]

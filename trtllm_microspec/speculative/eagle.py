@@ -33,12 +33,11 @@ class EagleDraft(nn.Module):
         self.to(device=device, dtype=dtype).requires_grad_(False)  # inference; training re-enables
         self.target = [target]  # a list, so the target is not registered as a sub-module
         self.rope = rope_tables(self.cfg, self.cfg.rope_theta, self.cfg.rope_scaling_factor, device)
-        self.cache = KVCache(self.cfg, 1, dtype, device)
-        return self
+        return self  # no KV cache of its own: the caller's (the batched engine's paged pool) comes with each call
 
-    def hidden(self, tokens, features, positions, slots, span: Span, cache: KVCache | None = None) -> torch.Tensor:
-        """tokens [T] (token t+1), features [T, d] (target/draft feature at t) -> draft hidden [T, d]."""
-        cache = cache or self.cache
+    def hidden(self, tokens, features, positions, slots, span: Span, cache: KVCache) -> torch.Tensor:
+        """tokens [T] (token t+1), features [T, d] (target/draft feature at t) -> draft hidden [T, d]; the layer's
+        K and V go into cache (shaped by self.cfg: KVCache(draft.cfg, 1, ...))."""
         slots = span.physical(slots)
         cache.write_pos(slots, positions)
         x = layers.linear(torch.cat([self.target[0].embed(tokens), features.to(self.fc.weight.dtype)], dim=-1),
@@ -46,9 +45,6 @@ class EagleDraft(nn.Module):
         attn_args = (self.rope, positions, slots, span, cache.pos, 0, cache.k[0], cache.v[0])
         res, delta = self.layers[0](x, None, None, attn_args)
         return res + delta
-
-    def forward(self, tokens, features, positions, slots, span: Span) -> torch.Tensor:
-        return self.hidden(tokens, features, positions, slots, span)
 
     def features(self, h: torch.Tensor) -> torch.Tensor:
         """The target's final-normed hidden h -> the draft's input feature there: h itself."""

@@ -115,9 +115,8 @@ class Eagle3Draft(nn.Module):
         self.target = [target]  # a list, so the target is not registered as a sub-module
         target.taps = tuple(self.taps)
         self.rope = rope_tables(self.cfg, self.cfg.rope_theta, self.cfg.rope_scaling_factor, device)
-        self.cache = KVCache(self.cfg, 1, dtype, device)
         self.head_ids = torch.arange(self.d2t.numel(), device=device) + self.d2t
-        return self
+        return self  # no KV cache of its own: the caller's (the batched engine's paged pool) comes with each call
 
     def features(self, h: torch.Tensor) -> torch.Tensor:
         """The target's forward that produced h [..., d] -> the draft's input there: its three layers [..., 3 d]."""
@@ -135,10 +134,10 @@ class Eagle3Draft(nn.Module):
             return self.embed_tokens(tokens)
         return self.target[0].embed(tokens)
 
-    def hidden(self, tokens, features, positions, slots, span: Span, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, tokens, features, positions, slots, span: Span, cache: KVCache) -> torch.Tensor:
         """tokens [T] (token t+1), features [T, 3 x target d] (the target's layers at t) or [T, d] (the draft's
-        output at t) -> the draft's output [T, d] (before its norm: the next step's feature)."""
-        cache = cache or self.cache
+        output at t) -> the draft's output [T, d] (before its norm: the next step's feature); K and V go into
+        cache (shaped by self.cfg)."""
         slots = span.physical(slots)
         cache.write_pos(slots, positions)
         x = features.to(self.fc.weight.dtype)
@@ -146,9 +145,6 @@ class Eagle3Draft(nn.Module):
             x = layers.linear(x, self.fc.weight)
         attn_args = (self.rope, positions, slots, span, cache.pos, 0, cache.k[0], cache.v[0])
         return self.layers[0](x, self.embed(tokens), attn_args)
-
-    def forward(self, tokens, features, positions, slots, span: Span) -> torch.Tensor:
-        return self.hidden(tokens, features, positions, slots, span)
 
 
 def save_draft3(model: Eagle3Draft, out_dir: Path, target_record: dict, layout: str) -> None:
