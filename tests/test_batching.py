@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trtllm_microspec import LLM
-from trtllm_microspec.engine.block_manager import GIB
+from trtllm_microspec.engine.block_manager import GIB, block_bytes
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.speculative.sampling import SamplingParams
 
@@ -81,7 +81,7 @@ def test_waits_for_blocks(engine_dir, ar, alone):
     in the queue and is recomputed (its prompt and its tokens so far prefilled again) once the first frees its
     blocks: its tokens are still those it gets alone."""
     c = ar.target.cfg
-    per_block = 2 * c.num_layers * c.num_kv_heads * 32 * c.head_dim * 4 + 16 * 32
+    per_block = block_bytes(c, torch.float32)
     llm = LLM(engine_dir, "ar", device="cpu", max_batch=4, kv_memory=3 * per_block / GIB)
     sched = llm.scheduler()
     assert sched.blocks.num_blocks == 3

@@ -21,12 +21,15 @@ N = 24
 TREE = dict(depth=2, top_k=4, total_tokens=10)
 
 
-def eagle3_checkpoint(engine_dir, out, layout: str, draft_ids: torch.Tensor, hidden_size=None, seed=0):
+def eagle3_checkpoint(engine_dir, out, layout: str, draft_ids: torch.Tensor, hidden_size=None, seed=0,
+                      kv_heads=None, head_dim=None):
     """A random EAGLE-3 head for the engine's target, written as `layout` writes it. draft_ids: the target ids of
-    the draft vocabulary (sorted, as SafeAILab's and SpecForge's vocabulary pruning orders them)."""
+    the draft vocabulary (sorted, as SafeAILab's and SpecForge's vocabulary pruning orders them); kv_heads and
+    head_dim: the layer's attention shape (default: the target's)."""
     g = torch.Generator().manual_seed(seed)
     t = ModelConfig.load(engine_dir / "config.json")
-    d, hd, V, Vd = t.hidden_size, t.head_dim, t.vocab_size, draft_ids.numel()
+    d, hd, V, Vd = t.hidden_size, head_dim or t.head_dim, t.vocab_size, draft_ids.numel()
+    kvh = kv_heads or t.num_kv_heads
 
     def w(*shape):
         return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
@@ -35,14 +38,14 @@ def eagle3_checkpoint(engine_dir, out, layout: str, draft_ids: torch.Tensor, hid
     sd = {"fc.weight": w(d, 3 * (hidden_size or d)), "norm.weight": torch.ones(d, dtype=torch.bfloat16),
           "lm_head.weight": w(Vd, d), "d2t": draft_ids - torch.arange(Vd),
           "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, draft_ids, True)}
-    layer = {"self_attn.q_proj.weight": w(t.num_heads * hd, 2 * d), "self_attn.k_proj.weight": w(t.num_kv_heads * hd, 2 * d),
-             "self_attn.v_proj.weight": w(t.num_kv_heads * hd, 2 * d), "self_attn.o_proj.weight": w(d, t.num_heads * hd),
+    layer = {"self_attn.q_proj.weight": w(t.num_heads * hd, 2 * d), "self_attn.k_proj.weight": w(kvh * hd, 2 * d),
+             "self_attn.v_proj.weight": w(kvh * hd, 2 * d), "self_attn.o_proj.weight": w(d, t.num_heads * hd),
              "mlp.gate_proj.weight": w(t.intermediate_size, d), "mlp.up_proj.weight": w(t.intermediate_size, d),
              "mlp.down_proj.weight": w(d, t.intermediate_size), "input_layernorm.weight": 1 + w(d),
              "hidden_norm.weight": 1 + w(d), "post_attention_layernorm.weight": 1 + w(d)}
     sd.update({prefix + k: v for k, v in layer.items()})
     llama = {"model_type": "llama", "hidden_size": d, "intermediate_size": t.intermediate_size,
-             "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "num_hidden_layers": 1,
+             "num_attention_heads": t.num_heads, "num_key_value_heads": kvh, "head_dim": hd, "num_hidden_layers": 1,
              "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta, "max_position_embeddings": t.max_seq_len,
              "vocab_size": V, "hidden_act": "silu", "tie_word_embeddings": False}
     out.mkdir(parents=True)
@@ -133,6 +136,26 @@ def test_every_shape_and_ablation_equals_ar(engine_dir, ar, tmp_path, method):
     assert [r.token_ids for r in results] == ar, method
     assert set(results[0].stats["tree_sizes"]) == {t.total_tokens if t else 1 for t in runner.shapes}
     assert results[0].stats["rounds"] > 0
+
+
+def test_kv_pool_sized_with_the_heads_own_kv_shape(engine_dir, ar, tmp_path):
+    """An EAGLE-3 head whose layer has other KV heads and head_dim than the target's (9 x 96 against 3 x 64): the
+    engine plans each block of its pool with the target's and the head's own KV shapes, so the pools it allocates
+    are exactly the blocks the --kv-memory budget buys and fit in it; and its tokens are AR's."""
+    from trtllm_microspec.engine.block_manager import GIB
+
+    ids = torch.unique(torch.cat([some_ids(engine_dir), torch.tensor(sum(ar, []))]))
+    eagle3_checkpoint(engine_dir, tmp_path / "ck", LAYOUTS[1], ids, kv_heads=9, head_dim=96)
+    out, _ = build_draft(tmp_path / "ck", engine_dir, tmp_path / "draft")
+    budget = 0.02  # GiB
+    llm = LLM(engine_dir, "eagle", draft=out, device="cpu", kv_memory=budget, spec_policy="fixed", **TREE)
+    runner = llm.scheduler().runner
+    t, h = runner.target.cfg, runner.draft.cfg
+    assert (h.num_kv_heads, h.head_dim) == (9, 96) and (t.num_kv_heads, t.head_dim) == (3, 64)
+    allocated = sum(x.nbytes for pool in (runner.cache, runner.dcache) for x in (pool.k, pool.v, pool.pos))
+    assert allocated == runner.blocks.num_blocks * runner.block_bytes
+    assert budget * GIB - runner.block_bytes < allocated <= budget * GIB
+    assert [r.token_ids for r in llm.generate(PROMPTS, N, chat=True)] == ar
 
 
 @pytest.mark.parametrize("method", ["eagle", "microspec"])

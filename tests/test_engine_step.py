@@ -11,10 +11,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from plugins.layers import KV_BLOCK
 from trtllm_microspec import LLM
-from trtllm_microspec.engine.block_manager import GIB
+from trtllm_microspec.engine.block_manager import GIB, block_bytes
 from trtllm_microspec.engine.policy import StepCosts
 from trtllm_microspec.speculative.sampling import GREEDY, SamplingParams
 
@@ -79,7 +79,7 @@ def test_preempted_requests_equal_alone(engine_dir, llm):
     GEMM shapes move logits by ~2e-5. Seed 3 for the third request met one such tie, its CDF 2.4e-7 apart; so would
     the old engine. The seeds here meet none: the test is deterministic on a given machine.)"""
     c = llm.target.cfg
-    per_block = 2 * c.num_layers * c.num_kv_heads * KV_BLOCK * c.head_dim * 4 + 16 * KV_BLOCK
+    per_block = block_bytes(c, torch.float32)
     small = LLM(engine_dir, "ar", device="cpu", max_batch=6, max_num_tokens=64, kv_memory=7 * per_block / GIB)
     ids = prompts(6, [40, 100, 70, 55, 90, 45], seed=1)
     params = [GREEDY, GREEDY, SamplingParams(temperature=0.9, seed=6), GREEDY,
@@ -102,7 +102,7 @@ def test_cancel_returns_blocks(engine_dir, llm):
     """Cancelled while prefilling (a prompt over several steps), while decoding, and while waiting after a
     preemption: every block and batch slot comes back, and the others still get their tokens alone."""
     c = llm.target.cfg
-    per_block = 2 * c.num_layers * c.num_kv_heads * KV_BLOCK * c.head_dim * 4 + 16 * KV_BLOCK
+    per_block = block_bytes(c, torch.float32)
     small = LLM(engine_dir, "ar", device="cpu", max_batch=4, max_num_tokens=32, kv_memory=7 * per_block / GIB)
     ids = prompts(4, [20, 150, 25, 100], seed=2)
     want = alone(llm, ids[0], 60)

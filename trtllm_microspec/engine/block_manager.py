@@ -19,6 +19,12 @@ from ..models.registry import UserError
 GIB = 1 << 30
 
 
+def block_bytes(cfg, dtype: torch.dtype) -> int:
+    """Bytes of one block of a KVCache(cfg, cfg.num_layers, dtype): K and V of every layer in cfg's own KV shape
+    (kv heads x head_dim) and the slots' positions (int64)."""
+    return (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize + 8) * KV_BLOCK
+
+
 def pool_blocks(kv_memory: float, bytes_per_block: int, device: torch.device) -> int:
     """How many blocks the budget holds."""
     if device.type == "cuda" and kv_memory <= 1:

@@ -27,13 +27,13 @@ import torch
 from plugins.layers import KV_BLOCK
 
 from .. import parallel
-from ..models.model import KVCache, Span, Spans, Transformer
+from ..models.model import KVCache, ModelConfig, Span, Spans, Transformer
 from ..models.registry import UserError
 from ..speculative.batch_tree import accept, causal_mask, draft_trees, physical, verify
 from ..speculative.sampling import Sampler, tempered
 from ..speculative.tree import Tree, TreeConfig, causal
 from ..vocab.batched import BatchWindow, batch_vocab
-from .block_manager import BlockManager, pool_blocks
+from .block_manager import BlockManager, block_bytes, pool_blocks
 from .graphs import GraphRunner, bucket_for
 from .policy import SpecPolicy, StepCosts, tree_shapes
 
@@ -92,7 +92,7 @@ class BatchRunner:
     grows = True  # blocks are appended as a request grows (and it may be preempted, then recomputed)
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
-                 cuda_graphs: bool = False, extra_layers: int = 0, reserve: int = 1,
+                 cuda_graphs: bool = False, draft_cfg: ModelConfig | None = None, reserve: int = 1,
                  max_num_tokens: int | None = None, decode_rows: int = 1):
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
         self.target, self.max_batch, self.device = target, max_batch, dev
@@ -104,13 +104,13 @@ class BatchRunner:
             raise UserError(f"max_num_tokens {self.max_num_tokens} is below max_batch {max_batch} x {decode_rows} "
                             f"(the rows every running request decodes in a step): raise it or lower max_batch")
         kv_memory = kv_memory or DEFAULT_KV_MEMORY[dev.type]
-        layers = c.num_layers + extra_layers  # the draft's pool shares the block ids (one table for both)
-        # k and v of every layer, plus the slot positions (int64) of up to two pools
-        per_block = 2 * layers * c.num_kv_heads * KV_BLOCK * c.head_dim * dtype.itemsize + 16 * KV_BLOCK
+        # a block of the target's pool and, with draft_cfg, of the draft's (SpecRunner: it shares the block ids, one
+        # table for both), each in its own KV shape
+        self.block_bytes = sum(block_bytes(cfg, dtype) for cfg in (c, draft_cfg) if cfg is not None)
         # table columns: every span (a chunk's, a step's S bucket) reaches at most max_seq_len
         width = -(-c.max_seq_len // KV_BLOCK)
         # under --tp every rank schedules alike: the same pool on each (the smallest of their free memories)
-        self.blocks = BlockManager(parallel.agree(pool_blocks(kv_memory, per_block, dev), dev, "min"),
+        self.blocks = BlockManager(parallel.agree(pool_blocks(kv_memory, self.block_bytes, dev), dev, "min"),
                                    -(-c.max_seq_len // KV_BLOCK))
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
         # one table row per batch slot, plus the padding slot (all block 0)
@@ -292,7 +292,7 @@ class SpecRunner(BatchRunner):
         """spec_policy: auto (engine/policy.py: each step's tree from the step's cost and the requests' acceptance)
         or fixed (always `tree`); costs: the policy's cost model (None: measured by timing padding rounds)."""
         shapes = tree_shapes(tree, spec_policy)
-        super().__init__(target, max_batch, kv_memory, cuda_graphs, extra_layers=1,
+        super().__init__(target, max_batch, kv_memory, cuda_graphs, draft_cfg=draft.cfg,
                          reserve=max(round_reserve(t) for t in shapes if t),
                          max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens)
         self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
