@@ -238,7 +238,8 @@ def test_refuses_norm_output_it_does_not_run(engine_dir, tmp_path, layout, value
 
 def test_train_eagle3_head(engine_dir, tmp_path):
     """train-draft --arch eagle3: a few steps on real ShareGPT conversations lower the held-out loss; the head is an
-    EAGLE-3 head over the --loss-vocab most frequent answer ids (EOS among them), loads and is lossless."""
+    EAGLE-3 head over the --loss-vocab most frequent answer ids (EOS among them), its LM head trained away from the
+    target's rows it starts as, and loads and is lossless."""
     from trtllm_microspec.data import sharegpt_conversations
     from trtllm_microspec.train.train_draft import train
 
@@ -253,6 +254,10 @@ def test_train_eagle3_head(engine_dir, tmp_path):
     ids = torch.arange(4096) + sd["d2t"]
     eos = ModelConfig.load(engine_dir / "config.json").eos_ids
     assert set(eos) <= set(ids.tolist())
+    tw = load_file(engine_dir / "model.safetensors")
+    rows = tw.get("lm_head.weight", tw["embed_tokens.weight"])[ids].float()
+    moved = (sd["lm_head.weight"].float() - rows).abs().amax(-1)
+    assert (moved > 0).float().mean() > 0.9 and float(moved.max()) > 1e-3
     ar = LLM(engine_dir, "ar", device="cpu").generate(PROMPTS[0], N, chat=True)
     spec = LLM(engine_dir, "microspec", draft=tmp_path / "h3", device="cpu", **TREE).generate(PROMPTS[0], N, chat=True)
     assert spec.token_ids == ar.token_ids
