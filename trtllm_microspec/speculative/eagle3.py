@@ -238,7 +238,6 @@ def convert(hf: dict, sd: dict, tcfg: ModelConfig, target_embed, layout: str) ->
     eagle_cfg = hf.get("eagle_config") or {}
     if eagle_cfg.get("use_aux_hidden_state") is False:
         raise UserError(f"{where} reads the target's last layer only (use_aux_hidden_state false), not supported")
-    taps = taps_of(hf, tcfg.num_layers, where)
     sd = {k.removeprefix("model.").replace("midlayer.", "layers.0."): v for k, v in sd.items()}
     d = layer["hidden_size"]
     fc = sd.get("fc.weight")
@@ -249,6 +248,7 @@ def convert(hf: dict, sd: dict, tcfg: ModelConfig, target_embed, layout: str) ->
     if V != tcfg.vocab_size or th != tcfg.hidden_size:
         raise UserError(f"{where} is for a target of hidden size {th} / vocabulary {V}; this target has "
                         f"{tcfg.hidden_size} / {tcfg.vocab_size}")
+    taps = taps_of(hf, tcfg.num_layers, where)
     if layer.get("num_hidden_layers", 1) != 1 or any(k.startswith("layers.1.") for k in sd):
         raise UserError(f"{where} has {layer.get('num_hidden_layers')} decoder layers; supported: 1")
     if layer.get("hidden_act", "silu") != "silu":
