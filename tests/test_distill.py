@@ -172,6 +172,28 @@ def test_chunked_soft_ce_equals_the_plain_one(dtype, monkeypatch):
     assert int(correct) == int((F.linear(h0, w).argmax(-1) == F.linear(want, w).argmax(-1)).sum())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_soft_ce_trains_its_own_head(dtype, monkeypatch):
+    """EAGLE-3's token loss: the draft's logits through its own trained head W, the target's through the target's
+    rows Wt: the loss and the gradients of h and W equal autograd's through the plain loss."""
+    monkeypatch.setattr(train_draft, "CE_CHUNK", 3 * 500)  # 3 rows a chunk: 7 rows make 3 chunks
+    g = torch.Generator().manual_seed(2)
+    w0, wt = [(torch.randn(500, 32, generator=g) * 0.3).to(dtype) for _ in range(2)]
+    h0, want = torch.randn(7, 32, generator=g).to(dtype), torch.randn(7, 32, generator=g).to(dtype)
+    h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    loss, correct = SoftCE.apply(h, w, want, wt)
+    (2 * loss).backward()
+    ref_h, ref_w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    ref = -(F.linear(want, wt).float().softmax(-1) * F.linear(ref_h, ref_w).float().log_softmax(-1)).sum()
+    (2 * ref).backward()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(loss, ref, **tol)
+    torch.testing.assert_close(h.grad.float(), ref_h.grad.float(), **tol)
+    assert w.grad.dtype == dtype and w.grad.abs().max() > 0
+    torch.testing.assert_close(w.grad.float(), ref_w.grad.float(), **tol)
+    assert int(correct) == int((F.linear(h0, w0).argmax(-1) == F.linear(want, wt).argmax(-1)).sum())
+
+
 def test_pruned_loss_is_the_soft_ce_over_its_ids(engine_dir):
     target, _ = load_target(engine_dir, CPU, torch.float32)
     V = target.head_weight.shape[0]

@@ -22,10 +22,11 @@ TREE = dict(depth=2, top_k=4, total_tokens=10)
 
 
 def eagle3_checkpoint(engine_dir, out, layout: str, draft_ids: torch.Tensor, hidden_size=None, seed=0,
-                      kv_heads=None, head_dim=None):
+                      kv_heads=None, head_dim=None, config=None):
     """A random EAGLE-3 head for the engine's target, written as `layout` writes it. draft_ids: the target ids of
     the draft vocabulary (sorted, as SafeAILab's and SpecForge's vocabulary pruning orders them); kv_heads and
-    head_dim: the layer's attention shape (default: the target's)."""
+    head_dim: the layer's attention shape (default: the target's). config: keys set in (None: removed from) its
+    config.json."""
     g = torch.Generator().manual_seed(seed)
     t = ModelConfig.load(engine_dir / "config.json")
     d, hd, V, Vd = t.hidden_size, head_dim or t.head_dim, t.vocab_size, draft_ids.numel()
@@ -65,6 +66,7 @@ def eagle3_checkpoint(engine_dir, out, layout: str, draft_ids: torch.Tensor, hid
                                           "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
                                                        "architectures": ["LlamaForCausalLM"]}}}
         save_file(sd, out / "model.safetensors")
+    cfg = {k: v for k, v in {**cfg, **(config or {})}.items() if v is not None}
     (out / "config.json").write_text(json.dumps(cfg))
 
 
@@ -113,6 +115,64 @@ def test_layout_loads_and_is_lossless(engine_dir, ar, tmp_path, layout):
         assert single.stats["rounds"] < N  # a random head's drafts are still accepted at times
         assert [r.token_ids for r in llm.generate(PROMPTS, N, chat=True)] == ar, method
         assert llm.target.tapped.shape[-1] == 3 * llm.target.cfg.hidden_size
+
+
+def test_taps_are_the_streams_entering_layers(engine_dir):
+    """Transformer.taps against transformers on the same weights: tap i is the residual stream entering layer i
+    (output_hidden_states[i]: the embedding output at 0, what SafeAILab's and vLLM's loops keep before layer i)
+    and the output of decoder layer i - 1 (what SpecForge's forward hook on layers[i - 1] captures); tap L is the
+    last layer's output before the final norm."""
+    from test_model import TEXT, Ours, hf_reference
+
+    ours = Ours(engine_dir, None)
+    L = ours.model.cfg.num_layers
+    taps = (0, 2, L // 2, L - 3, L)
+    ids = torch.tensor(ours.tok.encode(TEXT)[:32])
+    ref = hf_reference(engine_dir, None)
+    hooked = {}
+    for i in taps[1:]:  # SpecForge's capture: the output of decoder layer i - 1
+        ref.model.layers[i - 1].register_forward_hook(
+            lambda m, args, out, i=i: hooked.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        want = ref(ids[None], output_hidden_states=True).hidden_states
+        ours.model.taps = taps
+        ours.prefill(ids)
+    got = ours.model.tapped.view(len(ids), len(taps), -1)
+    for j, i in enumerate(taps):
+        ref_i = hooked[i][0] if i else want[0][0]
+        torch.testing.assert_close(got[:, j], ref_i, atol=2e-4, rtol=2e-4, msg=f"tap {i}")
+        if i < L:  # (transformers' hidden_states[L] is after the final norm)
+            torch.testing.assert_close(got[:, j], want[i][0], atol=2e-4, rtol=2e-4, msg=f"tap {i}")
+    assert not torch.allclose(got[:, 1], got[:, 2])  # distinct layers: a shift would be seen
+
+
+def _taps(engine_dir, tmp_path, layout, config):
+    eagle3_checkpoint(engine_dir, tmp_path / "ck", layout, some_ids(engine_dir, 256), config=config)
+    out, what = build_draft(tmp_path / "ck", engine_dir, tmp_path / "draft")
+    taps = json.loads((out / "config.json").read_text())["taps"]
+    assert what.endswith(f"target layers {taps})")
+    return taps
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layer_ids_from_the_config(engine_dir, tmp_path, layout):
+    """Which target layers a checkpoint's head reads, per layout (Transformer.taps numbering, pinned above): none
+    named -> EAGLE-3's (2, L // 2, L - 3); top-level eagle_aux_hidden_state_layer_ids (vLLM, speculators: the
+    stream entering the layer) as written; SpecForge's eagle_config ones (the layer whose output it is) + 1."""
+    L = ModelConfig.load(engine_dir / "config.json").num_layers
+    none = {"eagle_aux_hidden_state_layer_ids": None}
+    assert _taps(engine_dir, tmp_path / "default", layout, none) == [2, L // 2, L - 3]
+    assert _taps(engine_dir, tmp_path / "top", layout, {"eagle_aux_hidden_state_layer_ids": [1, 9, L]}) == [1, 9, L]
+    if layout != LAYOUTS[2]:  # SpecForge's key (speculators has none); its default ids are EAGLE-3's layers
+        nested = {**none, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, L // 2 - 1, L - 4]}}
+        assert _taps(engine_dir, tmp_path / "nested", layout, nested) == [2, L // 2, L - 3]
+        nested = {**none, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 9, L - 1]}}
+        assert _taps(engine_dir, tmp_path / "nested2", layout, nested) == [1, 10, L]
+        with pytest.raises(UserError, match="this target has"):  # output of layer L: there is none
+            _taps(engine_dir, tmp_path / "past", layout, {**none, "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": [1, 9, L]}})
+    with pytest.raises(UserError, match="not in increasing order"):
+        _taps(engine_dir, tmp_path / "order", layout, {"eagle_aux_hidden_state_layer_ids": [9, 1, 20]})
 
 
 @pytest.mark.parametrize("method", ["frspec", "microspec", "ctx-only", "ext-only", "naive"])
@@ -190,9 +250,19 @@ def test_refuses_a_head_for_another_target(engine_dir, tmp_path):
     assert not (tmp_path / "draft").exists()
 
 
+@pytest.mark.parametrize("layout,value", [(LAYOUTS[1], False), (LAYOUTS[2], True)])
+def test_refuses_norm_output_it_does_not_run(engine_dir, tmp_path, layout, value):
+    """norm_output off the layout's default: SpecForge's false (lm_head over the un-normed output), speculators'
+    true (the normed output fed to the next step): a clear error, not a head that drafts from other features."""
+    assert _taps(engine_dir, tmp_path / "ok", layout, {"norm_output": not value})  # the default: loads
+    with pytest.raises(UserError, match="norm_output"):
+        _taps(engine_dir, tmp_path / "no", layout, {"norm_output": value})
+
+
 def test_train_eagle3_head(engine_dir, tmp_path):
     """train-draft --arch eagle3: a few steps on real ShareGPT conversations lower the held-out loss; the head is an
-    EAGLE-3 head over the --loss-vocab most frequent answer ids (EOS among them), loads and is lossless."""
+    EAGLE-3 head over the --loss-vocab most frequent answer ids (EOS among them), its LM head trained away from the
+    target's rows it starts as, and loads and is lossless."""
     from trtllm_microspec.data import sharegpt_conversations
     from trtllm_microspec.train.train_draft import train
 
@@ -207,6 +277,10 @@ def test_train_eagle3_head(engine_dir, tmp_path):
     ids = torch.arange(4096) + sd["d2t"]
     eos = ModelConfig.load(engine_dir / "config.json").eos_ids
     assert set(eos) <= set(ids.tolist())
+    tw = load_file(engine_dir / "model.safetensors")
+    rows = tw.get("lm_head.weight", tw["embed_tokens.weight"])[ids].float()
+    moved = (sd["lm_head.weight"].float() - rows).abs().amax(-1)
+    assert (moved > 0).float().mean() > 0.9 and float(moved.max()) > 1e-3
     ar = LLM(engine_dir, "ar", device="cpu").generate(PROMPTS[0], N, chat=True)
     spec = LLM(engine_dir, "microspec", draft=tmp_path / "h3", device="cpu", **TREE).generate(PROMPTS[0], N, chat=True)
     assert spec.token_ids == ar.token_ids

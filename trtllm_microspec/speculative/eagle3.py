@@ -11,9 +11,10 @@ vLLM's llama_eagle3.py / speculators' Eagle3 draft):
   output   the layer's output before any norm: it is the next step's feature; the draft's logits are
            lm_head(norm(output)) over its own draft vocabulary of draft_vocab_size ids, draft id i being target id
            i + d2t[i] (t2d marks the target ids that have a draft id)
-The three layers are the inputs of target layers (2, L // 2, L - 3) unless the checkpoint says otherwise
-(`eagle_aux_hidden_state_layer_ids`, vLLM's convention: the residual stream entering that layer); the target keeps
-them in every forward, CUDA graphs included (Transformer.taps).
+The three layers are the inputs of target layers (2, L // 2, L - 3) unless the checkpoint says otherwise (taps_of:
+vLLM's top-level `eagle_aux_hidden_state_layer_ids` name the residual stream entering a layer, SpecForge's
+`eagle_config` ones the layer whose output it is); the target keeps them in every forward, CUDA graphs included
+(Transformer.taps).
 
 Beside EagleDraft (speculative/eagle.py) it offers the same narrow interface the engines call: hidden(), features()
 (what the target hands the draft), head_in() (the draft hidden -> the LM head's input) and vocab_rows() (the LM
@@ -49,6 +50,26 @@ LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size":
 def default_taps(num_layers: int) -> list[int]:
     """EAGLE-3's low / mid / high layers (SafeAILab, SpecForge and vLLM alike)."""
     return [2, num_layers // 2, num_layers - 3]
+
+
+def taps_of(hf: dict, num_layers: int, where: str) -> list[int]:
+    """The target layers a checkpoint's head reads, as Transformer.taps numbers them (i: the residual stream
+    entering layer i, 0 the embedding output, num_layers the last layer's output before the final norm; no final
+    norm on any), from its config.json. The two keys count differently:
+    - top-level `eagle_aux_hidden_state_layer_ids` (vLLM, speculators): vLLM's own numbering, ours (its llama.py
+      keeps hidden_states + residual before layer i; speculators' datagen captures with vLLM), read as is;
+    - `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge): the decoder layer whose OUTPUT is taken
+      (SpecForge's forward hook on layers[i]; sglang's set_eagle3_layers_to_capture adds 1), so i + 1 here.
+    Neither: EAGLE-3's default, the inputs of layers (2, L // 2, L - 3) (SafeAILab's modeling_llama_kv.py; SpecForge's
+    [1, L // 2 - 1, L - 4] outputs; vLLM's and speculators' default), read low to high."""
+    top = hf.get("eagle_aux_hidden_state_layer_ids")
+    nested = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    taps = list(top) if top else [i + 1 for i in nested] if nested else default_taps(num_layers)
+    if len(taps) != 3 or min(taps) < 0 or max(taps) > num_layers:
+        raise UserError(f"{where} reads target layers {top or nested}; this target has {num_layers} layers")
+    if taps != sorted(set(taps)):  # fc's columns are low, mid, high: the order the target keeps them in
+        raise UserError(f"{where} reads target layers {top or nested}, not in increasing order: not supported")
+    return taps
 
 
 def draft3_config(target: ModelConfig) -> ModelConfig:
@@ -206,9 +227,11 @@ def convert(hf: dict, sd: dict, tcfg: ModelConfig, target_embed, layout: str) ->
         layer, nbr = {**LLAMA_DEFAULTS, **hf}, bool(hf.get("norm_before_residual", False))
     if hf.get("norm_before_fc") or "input_norm.weight" in sd:
         raise UserError(f"{where} normalises the features before fc (norm_before_fc), which is not supported")
+    # norm_output: SpecForge's (default true) normalises before lm_head, as we do; speculators' (default false,
+    # "Eagle 3.1") also feeds the normed output to the next step
+    if bool(hf.get("norm_output", layout != LAYOUTS[2])) != (layout != LAYOUTS[2]):
+        raise UserError(f"{where} sets norm_output {hf['norm_output']}, which is not supported")
     eagle_cfg = hf.get("eagle_config") or {}
-    taps = hf.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get("eagle_aux_hidden_state_layer_ids") \
-        or default_taps(tcfg.num_layers)
     if eagle_cfg.get("use_aux_hidden_state") is False:
         raise UserError(f"{where} reads the target's last layer only (use_aux_hidden_state false), not supported")
     sd = {k.removeprefix("model.").replace("midlayer.", "layers.0."): v for k, v in sd.items()}
@@ -221,8 +244,7 @@ def convert(hf: dict, sd: dict, tcfg: ModelConfig, target_embed, layout: str) ->
     if V != tcfg.vocab_size or th != tcfg.hidden_size:
         raise UserError(f"{where} is for a target of hidden size {th} / vocabulary {V}; this target has "
                         f"{tcfg.hidden_size} / {tcfg.vocab_size}")
-    if len(taps) != 3 or min(taps) < 0 or max(taps) > tcfg.num_layers:
-        raise UserError(f"{where} reads target layers {taps}; this target has {tcfg.num_layers} layers")
+    taps = taps_of(hf, tcfg.num_layers, where)
     if layer.get("num_hidden_layers", 1) != 1 or any(k.startswith("layers.1.") for k in sd):
         raise UserError(f"{where} has {layer.get('num_hidden_layers')} decoder layers; supported: 1")
     if layer.get("hidden_act", "silu") != "silu":

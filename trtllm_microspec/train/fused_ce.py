@@ -112,7 +112,7 @@ class FusedSoftCE(SoftCE):
             loss, correct = loss + part.sum(), correct + agree.sum()
             if grad is not None:
                 grad[i:i + n] = (z[:n] @ weight).to(h.dtype)  # z[:n] holds the gradient now
-        ctx.save_for_backward(grad)
+        ctx.save_for_backward(grad, None)  # no weight gradient: EAGLE-1/2's head is the target's, frozen
         ctx.mark_non_differentiable(correct)
         return loss, correct
 

@@ -37,8 +37,10 @@ cost, which at V = 152k is ~80% of a step).
 is fc over the target's three tapped layers (cached beside the final feature), there is no feature regression
 (the token loss alone, weight 1), --ttt-steps defaults to 3 (its later steps read its own output, which only the
 unrolled steps train), and its draft vocabulary is the --loss-vocab ids most frequent in the training answers
-(frequent_ids, EOS included): its LM head is the target's rows of those ids, frozen, so the pruned soft CE against
-the target's distribution renormalised over them is exactly its own loss.
+(frequent_ids, EOS included). Its LM head starts as the target's rows of those ids and is trained with the rest
+(SafeAILab's traineagle3 and SpecForge train the draft's lm_head, from a random init; speculators freezes it at
+the target's rows): the loss is the soft CE of its distribution against the target's renormalised over those ids
+(the target's rows, frozen, give the latter).
 
 Schedule: linear warm-up over 5% of the steps, then cosine to 0, planned for --epochs. With --time-limit (the clock
 counts the whole command: distilling, tokenising, caching, the held-out evaluation) the data is planned from rates
@@ -276,49 +278,57 @@ def _soft_ce_chunk(cuda: bool):
 
 
 class SoftCE(torch.autograd.Function):
-    """Sum over rows of the cross-entropy of softmax(h @ W^T) against softmax(want @ W^T) (want: the target's
-    features of the same positions), and the number of rows whose argmaxes agree. Both logits are made a chunk
-    of rows at a time and the gradient is computed in the forward, so no [rows, V] tensor outlives its chunk
-    (a 16k-token batch at V = 152k would hold 10 GB of logits; recomputing the target's chunk is one GEMM)."""
+    """Sum over rows of the cross-entropy of softmax(h @ W^T) against softmax(want @ Wt^T) (want: the target's
+    features of the same positions; Wt: want_weight, default W), and the number of rows whose argmaxes agree. Both
+    logits are made a chunk of rows at a time and the gradients (h's, and W's when it is trained: EAGLE-3's own
+    LM head) are computed in the forward, so no [rows, V] tensor outlives its chunk (a 16k-token batch at
+    V = 152k would hold 10 GB of logits; recomputing the target's chunk is one GEMM)."""
 
     @staticmethod
-    def forward(ctx, h, weight, want):
+    def forward(ctx, h, weight, want, want_weight=None):
+        tw = weight if want_weight is None else want_weight
         rows = max(1, CE_CHUNK // weight.shape[0])
         chunk = _soft_ce_chunk(h.is_cuda)
         loss = torch.zeros((), device=h.device)
         correct = torch.zeros((), dtype=torch.long, device=h.device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        wgrad = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[1] else None
         for i in range(0, h.shape[0], rows):
-            zq = F.linear(h[i:i + rows].to(weight.dtype), weight).float()
-            zt = F.linear(want[i:i + rows].to(weight.dtype), weight).float()
+            hq = h[i:i + rows].to(weight.dtype)
+            zq = F.linear(hq, weight).float()
+            zt = F.linear(want[i:i + rows].to(tw.dtype), tw).float()
             l, c, dz = chunk(zq, zt)
             loss, correct = loss + l, correct + c
             if grad is not None:
                 grad[i:i + rows] = (dz.to(weight.dtype) @ weight).to(h.dtype)
-        ctx.save_for_backward(grad)
+            if wgrad is not None:
+                wgrad += dz.t().to(weight.dtype) @ hq
+        ctx.save_for_backward(grad, wgrad)
+        ctx.wdtype = weight.dtype
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
     @staticmethod
     def backward(ctx, g, _):
-        (grad,) = ctx.saved_tensors
-        return g * grad, None, None
+        grad, wgrad = ctx.saved_tensors
+        return (None if grad is None else g * grad), (None if wgrad is None else (g * wgrad).to(ctx.wdtype)), None, None
 
 
 def pack_losses(draft: EagleDraft, target: Transformer, p: Pack, steps: int, noise: torch.Generator | None,
                 head: torch.Tensor | None = None, ce=SoftCE):
     """Per unrolled step: (feature loss, token loss, correct top-1, positions), summed over the step's valid rows.
-    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head; EAGLE-3: its
-    own LM head, or that head's copy in the target's dtype, as the pruned rows are)."""
-    eagle3_head = head
+    head: the LM-head rows the token loss is taken over (default: the whole vocabulary; see loss_head; EAGLE-3: the
+    target's rows of its draft vocabulary, which give the target's distribution there; default: read from the
+    target)."""
+    if draft.version == 3:  # the target's distribution over the draft vocabulary: its rows of those ids
+        want_head = target.head_weight[draft.head_ids] if head is None else head
     head = target.head_weight if head is None else head
     out = []
     for s, h in enumerate(unroll(draft, p, steps, noise)):
         sel = p.rows(s)
         nxt = sel + s + 1
-        if draft.version == 3:  # no feature regression; the token loss over its own (frozen) head's vocabulary
-            ploss, correct = SoftCE.apply(draft.head_in(h[sel]), draft.lm_head.weight if eagle3_head is None
-                                          else eagle3_head, p.feats[nxt])
+        if draft.version == 3:  # no feature regression; the token loss through its own (trained) LM head
+            ploss, correct = SoftCE.apply(draft.head_in(h[sel]), draft.lm_head.weight, p.feats[nxt], want_head)
             out.append((torch.zeros((), device=h.device), ploss, correct, len(sel)))
             continue
         vloss = F.smooth_l1_loss(h[sel].float(), p.feats[nxt].float(), reduction="none").mean(-1).sum()
@@ -375,8 +385,8 @@ def lr_at(step: int, plan: int, lr: float) -> float:
 
 def init_draft(engine_dir: Path, target: Transformer, device, seed: int, vocab_ids: torch.Tensor | None = None):
     """vocab_ids: an EAGLE-3 head over these target ids (its draft vocabulary), else an EAGLE-1/2 head. The EAGLE-3
-    head's LM head starts as the target's rows of those ids and stays frozen (the pruned loss's own head: the
-    target's distribution over the draft vocabulary is then exactly what it learns to match)."""
+    head's LM head starts as the target's rows of those ids (speculators' init: step 0 drafts through the target's
+    own head) and is trained (SafeAILab's and SpecForge's recipes train it)."""
     torch.manual_seed(seed)
     from ..engine.loader import read_config
     c = read_config(engine_dir)
@@ -395,8 +405,6 @@ def init_draft(engine_dir: Path, target: Transformer, device, seed: int, vocab_i
         draft.lm_head.weight.data.copy_(target.head_weight[vocab_ids.to(target.head_weight.device)].cpu().float())
     draft.setup(target, torch.float32, device)  # fp32 master weights; bf16 compute under autocast on CUDA
     draft.requires_grad_(True).train()
-    if vocab_ids is not None:
-        draft.lm_head.requires_grad_(False)
     return draft
 
 
@@ -589,7 +597,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         V = target.cfg.vocab_size
         vocab_ids, coverage = frequent_ids(target, seqs, loss_vocab) if loss == "pruned" and loss_vocab < V \
             else (torch.arange(V), 1.0)
-        head = None  # its own LM head is the loss's
+        head = None  # the loss is through its own LM head, against the target's rows of its ids (below)
     first = pack(seqs[:n_first], max_len, dev)
     train_packs = _shuffled(first, seed) + _shuffled(pack(seqs[n_first:], max_len, dev), seed + 1)
     held_packs = pack(held, max_len, dev)
@@ -598,8 +606,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
 
     per_step = max(1, batch_tokens // max_len)
     draft = init_draft(engine_dir, target, dev, seed, vocab_ids)
-    if arch == "eagle3":  # its frozen head in the target's dtype: the same GEMMs as the EAGLE-2 pruned loss
-        head = draft.lm_head.weight.detach().to(target.head_weight.dtype).contiguous()
+    if arch == "eagle3":  # the target's rows of the draft vocabulary: the target's distribution there (frozen)
+        head = target.head_weight[draft.head_ids].contiguous()
     opt = torch.optim.AdamW([q for q in draft.parameters() if q.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = None
     if resume:
@@ -651,7 +659,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     key = {"engine": str(engine_dir.resolve()), "data": what, "distilled": str(distilled), "max_len": max_len,
            "seed": seed, "batch_tokens": batch_tokens, "ttt_steps": ttt_steps, "loss": loss,
            "loss_vocab": loss_vocab, "rows": len(train_packs),  # the rows cached: --resume caches the same
-           **({"arch": arch} if arch != "eagle2" else {})}
+           **({"arch": arch, "lm_head": "trained"} if arch != "eagle2" else {})}  # (older eagle3 runs froze it)
     start = 0
     if state is not None:
         if state["key"] != key:
@@ -806,8 +814,8 @@ def register(sub) -> None:
                    f"default 1 = EAGLE's single-step recipe, {EAGLE3_TTT} with --arch eagle3)")
     p.add_argument("--arch", default="eagle2", choices=ARCHS, help="eagle2: an EAGLE-1/2 head (fc over [embedding ; "
                    "final feature], the target's LM head, feature + token loss); eagle3: an EAGLE-3 head (fc over "
-                   "three target layers, its own LM head over the --loss-vocab most frequent answer ids, token loss "
-                   "only, --ttt-steps unrolled)")
+                   "three target layers, its own LM head over the --loss-vocab most frequent answer ids, started from "
+                   "the target's rows and trained, token loss only, --ttt-steps unrolled)")
     p.add_argument("--loss", default="pruned", choices=LOSSES, help="token loss: pruned = soft CE over the "
                    "--loss-vocab ids most frequent in the training answers (the default: on the H200 it trained 2.3x "
                    "the tokens/s of full, and with distilled data won the equal-wall-time A/B); full = over the whole "
