@@ -375,10 +375,12 @@ def check_model_batched(dev, dtype, g, arch: str, D: int) -> float:
 
 
 def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[tuple[int, int]], decodes: int,
-                           S: int) -> float:
+                           S: int, window: int = 0) -> float | tuple[float, str]:
     """A step's rows as the batched engine packs them (layers.Spans): prompt chunks (committed length n, T rows)
-    of their own lengths, then `decodes` requests of one row each, in one pool behind random block tables. The
-    Triton path against a float64 attention of each request alone over its own keys."""
+    of their own lengths, then `decodes` requests of one row each, in one pool behind random block tables, keys
+    at most window - 1 positions back when window > 0. The Triton path, both the one launch of a causal Spans
+    (triton_layers.attention_varlen, what the runner's passes take) and the per-part loop of an unflagged one,
+    against a float64 attention of each request alone over its own keys."""
     from .layers import KV_BLOCK, Spans
 
     reqs = list(chunks) + [(int(torch.randint(0, S, (1,), generator=g)), 1) for _ in range(decodes)]
@@ -387,7 +389,12 @@ def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[
     table = torch.randperm(pool, generator=g)[:len(reqs) * blocks].view(len(reqs), blocks).to(dev)
     k = torch.randn(KV, pool * KV_BLOCK, D, generator=g).to(dev, dtype)
     v = torch.randn(KV, pool * KV_BLOCK, D, generator=g).to(dev, dtype)
-    k_pos = torch.arange(pool * KV_BLOCK, device=dev)
+    k_pos = torch.zeros(pool * KV_BLOCK, dtype=torch.long, device=dev)  # each slot's logical position (window)
+    physes = []
+    for i, (n, T) in enumerate(reqs):
+        cols = torch.arange(n + T, device=dev)
+        physes.append(table[i, cols // KV_BLOCK] * KV_BLOCK + cols % KV_BLOCK)
+        k_pos[physes[-1]] = cols
     tri = torch.ones(S, S, dtype=torch.bool, device=dev).tril()  # chunks' masks are views of one, as the runner's
     parts = [Span(torch.tensor([n], device=dev), tri[None, :T, :T], n + T, table[i:i + 1])
              for i, (n, T) in enumerate(chunks)]
@@ -398,18 +405,25 @@ def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[
     q = torch.randn(rows, H, D, generator=g).to(dev, dtype)
     q_pos = torch.cat([n + torch.arange(T) for n, T in reqs]).to(dev)
     scale = D ** -0.5
+    one = Spans(parts, causal=True)
     with layers.path(True):
-        got = layers.attention(q, k, v, Spans(parts), q_pos, k_pos, 0, scale)
+        got = layers.attention(q, k, v, one, q_pos, k_pos, window, scale)
+        loop = layers.attention(q, k, v, Spans(parts), q_pos, k_pos, window, scale)
+    if not one._varlen:
+        return float("inf"), "the causal Spans did not run attention_varlen"
     refs, r0 = [], 0
-    for i, (n, T) in enumerate(reqs):
+    for (n, T), phys in zip(reqs, physes):
         cols = torch.arange(n + T, device=dev)
-        phys = table[i, cols // KV_BLOCK] * KV_BLOCK + cols % KV_BLOCK
-        mask = cols[None, :] <= (n + torch.arange(T, device=dev))[:, None]
+        t = n + torch.arange(T, device=dev)
+        mask = cols[None, :] <= t[:, None]
+        if window:
+            mask &= (t[:, None] - cols[None, :]) < window
         refs.append(torch.nn.functional.scaled_dot_product_attention(
             q[r0:r0 + T].double().transpose(0, 1), k[:, phys].double(), v[:, phys].double(), attn_mask=mask,
             scale=scale, enable_gqa=True).transpose(0, 1))
         r0 += T
-    return rel(got, torch.cat(refs))
+    ref = torch.cat(refs)
+    return max(rel(got, ref), rel(loop, ref))
 
 
 def fix_interpreter() -> None:
@@ -524,13 +538,17 @@ def cases(dev: str, big: bool, g):
                 yield (f"paged attention {kind} B={B} T={T} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
                        lambda H=H, KV=KV, D=D, B=B, T=T, S=S, w=w, kind=kind:
                        check_paged_attention(dev, dtype, g, H, KV, D, B, T, S, w, kind))
-        packed = [([(0, 600), (300, 40)], 70, 1024), ([(900, 100)], 200, 1024)] if big else \
-                 [([(0, 9), (20, 5)], 3, 48), ([(7, 1)], 4, 40)]
+        # (chunks (n, T), decodes, S, window): chunks of their own lengths, long ones (>= LONG_ROWS) among them
+        packed = [([(0, 600), (300, 40)], 70, 1024, 0), ([(900, 100)], 200, 1024, 0),
+                  ([(0, 512), (512, 512), (100, 37), (0, 1), (700, 600), (30, 129)] + [(64 * i, 64) for i in range(8)],
+                   256, 1400, 0), ([(0, 600), (200, 64), (0, 7)], 30, 1024, 128)] if big else \
+                 [([(0, 9), (20, 5)], 3, 48, 0), ([(7, 1)], 4, 40, 0),
+                  ([(0, 20), (5, 1), (30, 12), (0, 3), (17, 33)], 5, 64, 0), ([(0, 20), (10, 7)], 2, 40, 8)]
         for H, KV, D in shapes[:2]:
-            for chunks, dec, S in packed:
-                yield (f"packed attention chunks={chunks} decodes={dec} S={S} H={H}/{KV} D={D} {dn}", tol,
-                       lambda H=H, KV=KV, D=D, chunks=chunks, dec=dec, S=S:
-                       check_packed_attention(dev, dtype, g, H, KV, D, chunks, dec, S))
+            for chunks, dec, S, w in packed:
+                yield (f"packed attention chunks={chunks} decodes={dec} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
+                       lambda H=H, KV=KV, D=D, chunks=chunks, dec=dec, S=S, w=w:
+                       check_packed_attention(dev, dtype, g, H, KV, D, chunks, dec, S, w))
         for arch in ("llama", "qwen2", "gemma3"):
             D = 64 if big else 32
             yield f"model {arch} prefill+tree {dn}", tol, lambda arch=arch: check_model(dev, dtype, g, arch, D)

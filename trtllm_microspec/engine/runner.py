@@ -9,7 +9,8 @@ is captured in a graph per (batch-size bucket, span bucket, sampling mode) and r
 (up to the batch-size bucket, on every device, so the CPU tests run what the graphs capture) are padding: a greedy
 request of length 0 in the padding slot, whose table points at the pool's block 0 (never handed out). A step with
 prompt chunks runs eagerly: its rows are packed (no padding; `pack`, shared by AR and the speculative runner),
-each chunk attends as its own Span, the decode rows as one (plugins/layers.py Spans).
+each chunk attends as its own Span, the decode rows as one (plugins/layers.py Spans; on CUDA one attention launch
+a layer for all of them).
 
 Sampling: each batch slot is a row of one Sampler (spec/sampling.py), set when a request joins, with the key of its
 seed; the uniform of a token is a hash of that key and the token's position, computed inside the step, so a
@@ -203,8 +204,10 @@ class BatchRunner:
         if decodes:
             parts.append(Span(n_dec, self.one.expand(len(decodes), 1, 1), max(r.n for r in decodes) + 1,
                               self.table.index_select(0, slot_d[len(ends):])))
-        return Packed(tokens, torch.cat([chunk_slots, n_dec]), Spans(parts), rows_d, slot_d, at_d, sample, ends,
-                      extra_d)
+        # causal: each part's mask is its rows' triangle (a chunk's, a decode's 1 x 1), so on CUDA attention runs
+        # all parts in one launch a layer
+        return Packed(tokens, torch.cat([chunk_slots, n_dec]), Spans(parts, causal=True), rows_d, slot_d, at_d,
+                      sample, ends, extra_d)
 
     def advance(self, chunks: list[tuple], decodes: list, toks: list[int]):
         """The host side after a packed pass: each request past its chunk, the first token of each whose prompt is
