@@ -4,9 +4,9 @@ Each op (add + RMSNorm, rotary + cache write, gated activation, the projections'
 it may be measured in (with bias, with SiLU / GELU x up in its prologue, split K, rows 1 .. 64, bf16 and fp32
 even under the interpreter), attention over random tree / causal / windowed spans, over batches of requests
 with their own committed lengths in a pool behind random block tables, and over a batched engine step's packed
-rows: prompt chunks and decode rows, `Spans`) and then whole forwards (one request, and a batch in a paged pool
-against each request alone) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms,
-(1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
+rows: prompt chunks and decode rows, `Spans`, in one launch and part by part) and then whole forwards (one
+request, a batch in a paged pool against each request alone, packed passes of chunks and decode rows) of small
+random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
 unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
 bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
 small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Each check prints one line as it
@@ -322,6 +322,47 @@ def check_model(dev, dtype, g, arch: str, D: int) -> float:
     return err
 
 
+def check_model_packed(dev, dtype, g, arch: str, D: int) -> float:
+    """Two packed passes as BatchRunner.pack builds them (a causal Spans over one paged pool): prompt chunks of
+    three requests, then the next chunks of two with a decode row of the third, whose prompt is in. Hidden states
+    of the Triton path (one attention launch a layer; Gemma's sliding layers with their window) vs the
+    reference's per-part loop."""
+    from trtllm_microspec.models.model import KVCache, Transformer
+
+    from .layers import KV_BLOCK, Spans
+
+    torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    model = Transformer(tiny_config(arch, D))
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.setup(dtype, dev)
+    blocks = 3
+    table = torch.randperm(3 * blocks + 2, generator=g)[:3 * blocks].view(3, blocks).to(dev)
+    tri = torch.ones(64, 64, dtype=torch.bool, device=dev).tril()
+    # (request, committed n, rows T) per chunk, and the decodes' (request, n)
+    passes = [([(0, 0, 20), (1, 0, 7), (2, 0, 33)], []), ([(0, 20, 15), (1, 7, 1)], [(2, 33)])]
+    outs = []
+    for use in (True, False):
+        model.cache = KVCache(model.cfg, model.cfg.num_layers, dtype, dev, slots=(3 * blocks + 2) * KV_BLOCK)
+        model.cache.k.fill_(float("nan"))
+        model.cache.v.fill_(float("nan"))
+        gen = torch.Generator().manual_seed(1)
+        for chunks, decodes in passes:
+            parts = [Span(torch.tensor([n], device=dev), tri[None, :T, :T], n + T, table[b:b + 1])
+                     for b, n, T in chunks]
+            ns = [n for _, n in decodes]
+            if ns:
+                parts.append(Span(torch.tensor(ns, device=dev), tri[:1, :1].expand(len(ns), 1, 1), max(ns) + 1,
+                                  table[[b for b, _ in decodes]]))
+            slots = torch.cat([n + torch.arange(T) for _, n, T in chunks] + [torch.tensor(ns, dtype=torch.long)])
+            slots = slots.to(dev)
+            ids = torch.randint(300, (slots.numel(),), generator=gen).to(dev)
+            with layers.path(use), torch.no_grad():
+                outs.append(model(ids, slots, slots, Spans(parts, causal=True)))
+    half = len(outs) // 2
+    return max(rel(a, b) for a, b in zip(outs[:half], outs[half:]))
+
+
 def check_model_batched(dev, dtype, g, arch: str, D: int) -> float:
     """Three requests in one paged pool: prefill (different lengths, padded to one T with rows that see only
     themselves), then a tree of 6 per request in one batched forward, against each request run alone on a
@@ -554,6 +595,8 @@ def cases(dev: str, big: bool, g):
             yield f"model {arch} prefill+tree {dn}", tol, lambda arch=arch: check_model(dev, dtype, g, arch, D)
             yield (f"model {arch} batched paged prefill+tree {dn}", tol,
                    lambda arch=arch: check_model_batched(dev, dtype, g, arch, D))
+            yield (f"model {arch} packed chunks+decodes {dn}", tol,
+                   lambda arch=arch: check_model_packed(dev, dtype, g, arch, D))
 
 
 def selected(name: str, only: list[str] | None) -> bool:
