@@ -6,9 +6,10 @@ even under the interpreter), attention over random tree / causal / windowed span
 with their own committed lengths in a pool behind random block tables, and over a batched engine step's packed
 rows: prompt chunks and decode rows, `Spans`, in one launch and part by part) and then whole forwards (one
 request, a batch in a paged pool against each request alone, packed passes of chunks and decode rows) of small
-random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
-unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
-bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
+random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs
+are fresh random draws; outputs are poisoned first (caches too) so an unwritten element fails. Error =
+|got - ref| / |ref| (Frobenius), against a float64 reference for attention; bf16 must stay under 2e-2, fp32
+under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
 small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Each check prints one line as it
 finishes (all configs of one projection shape on one line), with its seconds; `--only TEXT` runs a subset; on a
 GPU the skinny GEMM's variants are compiled in --jobs processes first.

@@ -371,7 +371,8 @@ def varlen_tiles(spans, G: int, block_m: int):
             starts += range(row, row + B * T, T)
             lens += [T] * B
             row += B * T
-        tiles = [(s, blk) for s, T in enumerate(lens) for blk in range(triton.cdiv(T * G, block_m))]
+        # a sequence's last row blocks read the most keys: they go first, so the grid's last wave is short tiles
+        tiles = [(s, blk) for s, T in enumerate(lens) for blk in reversed(range(triton.cdiv(T * G, block_m)))]
         host = torch.tensor([*zip(starts, lens), *tiles], dtype=torch.int32)
         n, table = spans._varlen["seqs"]
         if n.is_cuda:
