@@ -85,7 +85,7 @@ def report(title: str, fn, top: int = int(os.environ.get("TOP", 6))) -> None:
 
 def batched(engine: str, method: str):
     import trtllm_microspec.engine.runner as R
-    import trtllm_microspec.spec.batch_tree as BT
+    import trtllm_microspec.speculative.batch_tree as BT
 
     llm = LLM(engine, method, device="cpu", dtype="float32", max_seq_len=1024, spec_policy="fixed", **TREE)
     sched = llm.scheduler()
@@ -133,7 +133,7 @@ def batched(engine: str, method: str):
 def single(engine: str, method: str):
     """The single-request executor (commit b1df5f7)."""
     import trtllm_microspec.engine.executor as E
-    import trtllm_microspec.spec.tree as T
+    import trtllm_microspec.speculative.tree as T
 
     llm = LLM(engine, method, device="cpu", dtype="float32", max_seq_len=1024, **TREE)
     ex = llm.executor

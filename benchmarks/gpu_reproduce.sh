@@ -117,7 +117,7 @@ for stage in "$@"; do
 import sys, torch
 from trtllm_microspec.llm import resolve_engine
 from trtllm_microspec.models.model import ModelConfig
-from trtllm_microspec.spec.eagle import EagleDraft, draft_config, save_draft
+from trtllm_microspec.speculative.eagle import EagleDraft, draft_config, save_draft
 engine = resolve_engine(sys.argv[1])
 torch.manual_seed(0)  # a random head: losslessness must hold for any draft
 save_draft(EagleDraft(draft_config(ModelConfig.load(engine / "config.json")), bias=False), sys.argv[2], engine)
@@ -128,7 +128,7 @@ EOF
         grep -A9 "in-flight batching" "$OUT/lossless_$dt/results.md" | tail -6
       done ;;
     eagle3-lossless)
-      python3 -c "import sys; from trtllm_microspec.llm import resolve_engine; from trtllm_microspec.spec.eagle3 import random_head
+      python3 -c "import sys; from trtllm_microspec.llm import resolve_engine; from trtllm_microspec.speculative.eagle3 import random_head
 random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/random_eagle3"
       for dt in float32 bfloat16; do
         ms bench --engine "$KEY" --draft "$OUT/random_eagle3" --dtype $dt --methods ar,eagle,frspec,microspec --limit 1 \

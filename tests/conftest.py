@@ -9,7 +9,7 @@ import torch
 
 from trtllm_microspec.llm import resolve_engine
 from trtllm_microspec.models.model import ModelConfig
-from trtllm_microspec.spec.eagle import EagleDraft, draft_config, save_draft
+from trtllm_microspec.speculative.eagle import EagleDraft, draft_config, save_draft
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import torch
 from trtllm_microspec import LLM
 from trtllm_microspec.engine.block_manager import GIB
 from trtllm_microspec.models.registry import UserError
-from trtllm_microspec.spec.sampling import SamplingParams
+from trtllm_microspec.speculative.sampling import SamplingParams
 
 # (prompt, chat, max_new_tokens): different lengths and budgets; the first stops at EOS after 8 tokens
 CASES = [

@@ -265,7 +265,7 @@ def test_fc_bias_fold_is_exact(engine_dir, tmp_path):
 
     from trtllm_microspec.bench.references import eagle_to_vllm, vllm_eagle_params
     from trtllm_microspec.models.model import ModelConfig
-    from trtllm_microspec.spec.eagle import EagleDraft, draft_config, save_draft
+    from trtllm_microspec.speculative.eagle import EagleDraft, draft_config, save_draft
 
     torch.manual_seed(0)
     cfg = draft_config(ModelConfig.load(engine_dir / "config.json"))

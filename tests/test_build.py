@@ -15,7 +15,7 @@ from trtllm_microspec.models import registry
 from trtllm_microspec.models.build import build_engine
 from trtllm_microspec.models.model import ModelConfig, Span
 from trtllm_microspec.models.registry import ModelSpec, UserError
-from trtllm_microspec.spec.eagle import EagleDraft, build_draft, draft_config
+from trtllm_microspec.speculative.eagle import EagleDraft, build_draft, draft_config
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 

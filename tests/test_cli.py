@@ -222,7 +222,7 @@ def test_tree_fits_the_device(capsys, engine, random_draft_dir):
     """Tree knobs left unset take the device's tree (a 60-token verify costs a CPU several decode steps); each one
     given wins; LLM(...) and the commands decide in the same function."""
     from trtllm_microspec import LLM
-    from trtllm_microspec.spec.tree import CPU_TREE, TreeConfig, tree_for
+    from trtllm_microspec.speculative.tree import CPU_TREE, TreeConfig, tree_for
 
     assert tree_for("cpu") == CPU_TREE == TreeConfig(depth=3, top_k=4, total_tokens=12)
     assert tree_for("cuda") == TreeConfig(depth=5, top_k=10, total_tokens=60)

@@ -1,7 +1,7 @@
-"""EAGLE-3 heads (spec/eagle3.py): a randomly initialised checkpoint written in each layout users bring (SafeAILab
-EAGLE, SpecForge, vLLM speculators: keys, shapes and config as each source defines them) loads with build_draft,
-and eagle / frspec / microspec over it emit exactly AR's tokens, one request and a batch; a draft vocabulary that
-lacks a token never proposes it."""
+"""EAGLE-3 heads (speculative/eagle3.py): a randomly initialised checkpoint written in each layout users bring
+(SafeAILab EAGLE, SpecForge, vLLM speculators: keys, shapes and config as each source defines them) loads with
+build_draft, and eagle / frspec / microspec over it emit exactly AR's tokens, one request and a batch; a draft
+vocabulary that lacks a token never proposes it."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from trtllm_microspec.llm import LLM
 from trtllm_microspec.models.model import ModelConfig
 from trtllm_microspec.models.registry import UserError
-from trtllm_microspec.spec.eagle import build_draft
-from trtllm_microspec.spec.eagle3 import LAYOUTS
+from trtllm_microspec.speculative.eagle import build_draft
+from trtllm_microspec.speculative.eagle3 import LAYOUTS
 
 PROMPTS = ["Why is the sky blue?", "Write a haiku about the sea."]
 N = 24
@@ -193,7 +193,7 @@ def test_vllm_export_reads_back(engine_dir, tmp_path):
     """bench's vllm-eagle reference writes an EAGLE-3 head in SafeAILab's layout (vLLM's eagle3 method): read back
     by build_draft, it is the same head."""
     from trtllm_microspec.bench.references import eagle3_to_vllm
-    from trtllm_microspec.spec.eagle3 import random_head
+    from trtllm_microspec.speculative.eagle3 import random_head
 
     head = random_head(engine_dir, tmp_path / "head", 1000)
     eagle3_to_vllm(head, tmp_path / "vllm")

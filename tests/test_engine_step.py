@@ -16,7 +16,7 @@ from plugins.layers import KV_BLOCK
 from trtllm_microspec import LLM
 from trtllm_microspec.engine.block_manager import GIB
 from trtllm_microspec.engine.policy import StepCosts
-from trtllm_microspec.spec.sampling import GREEDY, SamplingParams
+from trtllm_microspec.speculative.sampling import GREEDY, SamplingParams
 
 
 def alone(llm: LLM, ids: list[int], max_new: int, params: SamplingParams = GREEDY) -> list[int]:

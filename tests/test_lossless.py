@@ -16,7 +16,7 @@ from trtllm_microspec import LLM
 from trtllm_microspec.llm import FREQ_FILE, resolve_engine
 from trtllm_microspec.models.model import ModelConfig
 from trtllm_microspec.models.tokenizer import Tokenizer
-from trtllm_microspec.spec.eagle import EagleDraft, draft_config, save_draft
+from trtllm_microspec.speculative.eagle import EagleDraft, draft_config, save_draft
 
 METHODS = ["eagle", "frspec", "microspec", "microspec-paper", "ctx-only", "ext-only", "naive"]
 WINDOW_METHODS = {"microspec", "microspec-paper", "ctx-only", "ext-only", "naive"}
@@ -72,7 +72,7 @@ class SelfDraft:
     def hidden(self, tokens, features, positions, slots, span, cache):
         return self.model(tokens, positions, slots, span, cache=cache)
 
-    def features(self, h):  # the rest of a draft head's interface (spec/eagle.py): the target's hidden as it is
+    def features(self, h):  # the rest of a draft head's interface (speculative/eagle.py): the target's hidden as it is
         return h
 
     def head_in(self, h):

@@ -12,7 +12,7 @@ import pytest
 from trtllm_microspec import LLM
 from trtllm_microspec.engine.policy import SpecPolicy, StepCosts, prior_tokens, tree_shapes
 from trtllm_microspec.models.registry import UserError
-from trtllm_microspec.spec.tree import TreeConfig
+from trtllm_microspec.speculative.tree import TreeConfig
 
 SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
 # (prompt, chat, max_new_tokens)
@@ -173,8 +173,8 @@ def test_bad_policy(engine_dir, capsys):
 
 
 def test_sampled_equals_ar_for_every_shape(engine_dir, random_draft_dir):
-    """Sampling: a token's uniform is a hash of its request's seed and its position (spec/sampling.py), so with one
-    seed every tree shape -- the policy cycling through them, beside greedy and other sampled requests, with padding
+    """Sampling: a token's uniform is a hash of its request's seed and its position (speculative/sampling.py), so with
+    one seed every tree shape -- the policy cycling through them, beside greedy and other sampled requests, with padding
     rows -- emits AR's sampled tokens alone, token for token."""
     ar = LLM(engine_dir, "ar", device="cpu", max_batch=4)
     knobs = [dict(temperature=0.9, seed=11), dict(temperature=1.3, top_k=20, seed=12), {}]
@@ -184,7 +184,7 @@ def test_sampled_equals_ar_for_every_shape(engine_dir, random_draft_dir):
     sched = llm.scheduler()
     cycle = itertools.cycle(range(len(sched.runner.shapes)))
     sched.runner.policy.choose = lambda reqs, rows: next(cycle)
-    from trtllm_microspec.spec.sampling import SamplingParams
+    from trtllm_microspec.speculative.sampling import SamplingParams
     reqs = [sched.add(llm.prompt_ids(p), m, SamplingParams(**s)) for (p, _, m), s in zip(CASES, knobs)]
     sched.run(reqs)
     assert [r.out for r in reqs] == want

@@ -15,9 +15,9 @@ from trtllm_microspec.cli import main
 from trtllm_microspec.engine import runner
 from trtllm_microspec.models.model import Span
 from trtllm_microspec.models.registry import UserError
-from trtllm_microspec.spec.batch_tree import accept
-from trtllm_microspec.spec.sampling import Sampler, SamplingParams, target_probs
-from trtllm_microspec.spec.tree import Tree, causal
+from trtllm_microspec.speculative.batch_tree import accept
+from trtllm_microspec.speculative.sampling import Sampler, SamplingParams, target_probs
+from trtllm_microspec.speculative.tree import Tree, causal
 
 
 def probs_of(logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -142,7 +142,7 @@ def tv(a: dict, b: dict) -> float:
 
 
 def one(tree: Tree) -> Tree:
-    """A tree as a batch of one (spec/batch_tree.py's layout)."""
+    """A tree as a batch of one (speculative/batch_tree.py's layout)."""
     return Tree(tokens=tree.tokens[None], parent=tree.parent[None], depth=tree.depth[None], anc=tree.anc[None])
 
 
@@ -245,7 +245,7 @@ def test_speculative_sampling_matches_ar(method, spec, exact):
 
 
 def test_same_seed_same_tokens_as_ar(ar, spec):
-    """A token's uniform is a hash of the seed and its position (spec/sampling.py): with one seed, speculative
+    """A token's uniform is a hash of the seed and its position (speculative/sampling.py): with one seed, speculative
     sampling emits AR's sampled tokens themselves, whatever the rounds accepted."""
     for seed in range(4):
         want = ar.generate(PROMPT, 8, seed=seed, **SAMPLING).token_ids

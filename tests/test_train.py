@@ -19,8 +19,8 @@ from trtllm_microspec.engine.loader import load_target
 from trtllm_microspec.models.model import Span
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.models.tokenizer import Tokenizer
-from trtllm_microspec.spec.eagle import load_draft
-from trtllm_microspec.spec.tree import causal
+from trtllm_microspec.speculative.eagle import load_draft
+from trtllm_microspec.speculative.tree import causal
 from trtllm_microspec.train import train_draft
 from trtllm_microspec.train.train_draft import (CHECKPOINT, EVAL_DEPTHS, pack, plan_rows, target_features, tokenize,
                                                 train, unroll)

@@ -43,7 +43,7 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    "position join the window each round (0: only the draft tree's tokens)")
     p.add_argument("--static-k", type=int, default=32768, help="frspec: the draft may propose the K most frequent "
                    "ids (from --tree-top-k to the vocabulary size)")
-    # the tree's knobs default to the device's tree (spec.tree.tree_for): a 60-token tree costs a CPU several
+    # the tree's knobs default to the device's tree (speculative.tree.tree_for): a 60-token tree costs a CPU several
     # decode steps per verify
     p.add_argument("--depth", type=int, help="draft tree depth: levels the draft grows after its first guess, i.e. "
                    "depth+1 draft calls per round (at least 1; default: 3 on a CPU, 5 on a GPU)")
@@ -91,7 +91,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_from_args(a: argparse.Namespace) -> dict:
     """The LLM's sampling keywords, validated now: a bad value ends the command before the model loads."""
-    from .spec.sampling import SamplingParams
+    from .speculative.sampling import SamplingParams
 
     return dataclasses.asdict(SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed))
 
@@ -109,9 +109,9 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
 
 def resolve_tree(a: argparse.Namespace, device: str | None = None):
     """--depth / --tree-top-k / --total-tokens left unset take the tree of the device the command runs on
-    (spec.tree.tree_for, which LLM(...) uses too); returns that device."""
+    (speculative.tree.tree_for, which LLM(...) uses too); returns that device."""
     from .engine.loader import pick_device
-    from .spec.tree import tree_for
+    from .speculative.tree import tree_for
 
     dev = pick_device(device or a.device)[0]
     t = tree_for(dev, a.depth, a.top_k, a.total_tokens)
@@ -149,7 +149,7 @@ def cmd_build(a) -> None:
 
 def cmd_build_draft(a) -> None:
     from .llm import resolve_engine
-    from .spec.eagle import build_draft
+    from .speculative.eagle import build_draft
 
     out, what = build_draft(a.checkpoint, resolve_engine(a.engine), a.out)
     print(f"loaded {what} -> {out}")

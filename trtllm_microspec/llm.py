@@ -23,8 +23,8 @@ from .engine.loader import load_target, one_line, pick_device, read_config
 from .engine.policy import POLICIES, tree_shapes
 from .engine.runner import check_request, round_reserve
 from .models.registry import MODELS, UserError, cache_dir
-from .spec.sampling import SamplingParams
-from .spec.tree import tree_for
+from .speculative.sampling import SamplingParams
+from .speculative.tree import tree_for
 from .vocab.strategies import METHODS, make_vocab
 
 DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
@@ -107,7 +107,7 @@ class LLM:
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
                  max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
                  spec_policy: str = "auto"):
-        """depth / top_k / total_tokens left None: the device's tree (spec.tree.tree_for: depth 3, top-k 4,
+        """depth / top_k / total_tokens left None: the device's tree (speculative.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
         prompt chunks and decode rows together (None: 8192 on CUDA, 1024 on the CPU, at least max_batch x the rows
@@ -133,7 +133,7 @@ class LLM:
                                                   draft_head=method != "ar")
         draft_model = vocab = None
         if method != "ar":
-            from .spec.eagle import load_draft
+            from .speculative.eagle import load_draft
             draft_dir = Path(draft) if draft else self.engine_dir / DRAFT_SUBDIR
             if not draft_dir.exists():
                 raise UserError(f"method {method} needs a draft head: pass --draft DIR (none at {draft_dir})")

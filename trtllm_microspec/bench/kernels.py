@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..models.model import ModelConfig, Span
 from ..models.registry import UserError
-from ..spec.tree import causal
+from ..speculative.tree import causal
 
 COPY_BW = 4.2e12  # bytes/s, read + written, a large device-to-device copy on the H200
 PEAK_BW = 4.8e12  # bytes/s, the H200's HBM3e peak (its data sheet): the projection A/B's "% peak"
@@ -103,7 +103,7 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
     from plugins import ops
     from plugins.check import STATE, new_window
 
-    from ..spec.eagle import EagleDraft
+    from ..speculative.eagle import EagleDraft
 
     dev, bf16, K, W = DEVICE, torch.bfloat16, a.top_k, a.w_max
     cfg = ModelConfig(**shape, num_layers=1, rms_norm_eps=1e-5, rope_theta=500000.0,

@@ -33,15 +33,15 @@ from ..engine.policy import POLICIES
 from ..models.model import KVCache, Span
 from ..models.registry import UserError
 from ..vocab.strategies import METHODS
-from ..spec.batch_tree import draft_trees, verify
-from ..spec.tree import Tree, TreeConfig, causal
+from ..speculative.batch_tree import draft_trees, verify
+from ..speculative.tree import Tree, TreeConfig, causal
 from .kernels import COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, projection_lines, write_report
 
 
 def run(a) -> None:
     from ..engine.loader import load_target
     from ..llm import resolve_engine
-    from ..spec.eagle import EagleDraft, draft_config
+    from ..speculative.eagle import EagleDraft, draft_config
     from ..vocab.batched import SharedVocab
     from ..vocab.strategies import FullVocab
 
@@ -115,7 +115,7 @@ def timeline(a) -> None:
     from ..engine.stats import percentiles
     from ..llm import LLM, resolve_engine
     from ..models.model import ModelConfig
-    from ..spec.eagle import EagleDraft, draft_config, save_draft
+    from ..speculative.eagle import EagleDraft, draft_config, save_draft
 
     top = max(a.batch)
     with tempfile.TemporaryDirectory() as tmp:

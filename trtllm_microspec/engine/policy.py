@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..spec.tree import TreeConfig
+from ..speculative.tree import TreeConfig
 
 POLICIES = ("auto", "fixed")
 # smaller trees the policy may pick below the configured one (each kept only if strictly smaller): the

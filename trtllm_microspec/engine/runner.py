@@ -12,8 +12,8 @@ prompt chunks runs eagerly: its rows are packed (no padding; `pack`, shared by A
 each chunk attends as its own Span, the decode rows as one (plugins/layers.py Spans; on CUDA one attention launch
 a layer for all of them).
 
-Sampling: each batch slot is a row of one Sampler (spec/sampling.py), set when a request joins, with the key of its
-seed; the uniform of a token is a hash of that key and the token's position, computed inside the step, so a
+Sampling: each batch slot is a row of one Sampler (speculative/sampling.py), set when a request joins, with the key of
+its seed; the uniform of a token is a hash of that key and the token's position, computed inside the step, so a
 request's tokens are those it gets alone with the same SamplingParams and seed, whatever the batch, the step's tree
 or a preemption (recomputed, its tokens keep their positions).
 """
@@ -30,9 +30,9 @@ from plugins.layers import KV_BLOCK
 from .. import parallel
 from ..models.model import KVCache, Span, Spans, Transformer
 from ..models.registry import UserError
-from ..spec.batch_tree import accept, causal_mask, draft_trees, physical, verify
-from ..spec.sampling import Sampler, tempered
-from ..spec.tree import Tree, TreeConfig, causal
+from ..speculative.batch_tree import accept, causal_mask, draft_trees, physical, verify
+from ..speculative.sampling import Sampler, tempered
+from ..speculative.tree import Tree, TreeConfig, causal
 from ..vocab.batched import BatchWindow, batch_vocab
 from .block_manager import BlockManager, pool_blocks
 from .graphs import GraphRunner, bucket_for

@@ -30,7 +30,7 @@ import torch
 from plugins.layers import KV_BLOCK
 
 from ..models.registry import UserError
-from ..spec.sampling import GREEDY, SamplingParams
+from ..speculative.sampling import GREEDY, SamplingParams
 from .block_manager import BlockManager
 from .stats import Stats
 

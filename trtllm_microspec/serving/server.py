@@ -78,7 +78,7 @@ dynamic_batching {{ default_queue_policy {{ max_queue_size: {queue} }} }}
 
 def model_params(a: argparse.Namespace) -> dict[str, str]:
     """The model's knobs as config.pbtxt parameters (all strings; empty = the engine's default)."""
-    # the tree's knobs left unset: "", the tree of the device the model loads on (spec.tree.tree_for)
+    # the tree's knobs left unset: "", the tree of the device the model loads on (speculative.tree.tree_for)
     tree = {k: "" if getattr(a, k) is None else str(getattr(a, k)) for k in ("depth", "top_k", "total_tokens")}
     return {"engine_dir": str(a.engine), "draft_dir": str(a.draft or ""), "method": a.method,
             "device": a.device or "", "w_max": str(a.w_max), "k_pre": str(a.k_pre), "k_ver": str(a.k_ver),

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import parallel
 from ..engine.loader import pick_device
-from ..spec.sampling import GREEDY
+from ..speculative.sampling import GREEDY
 
 _control = None
 

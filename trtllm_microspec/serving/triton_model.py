@@ -24,7 +24,7 @@ from ..engine.loader import one_line
 from ..engine.scheduler import Request
 from ..llm import LLM
 from ..models.registry import UserError
-from ..spec.sampling import SamplingParams
+from ..speculative.sampling import SamplingParams
 from . import tp as tp_serving
 from .server import STOP_FILE_ENV
 

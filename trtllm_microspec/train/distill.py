@@ -132,7 +132,7 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
     """Returns the manifest's counts plus this run's (also printed by the command)."""
     from ..data import sharegpt_conversations
     from ..llm import LLM, resolve_engine
-    from ..spec.sampling import SamplingParams
+    from ..speculative.sampling import SamplingParams
 
     t0 = perf_counter()
     for name, v, lo in (("--turns", turns, 1), ("--max-tokens", max_tokens, 1), ("--max-prompt", max_prompt, 1)):

@@ -33,7 +33,7 @@ chunk of [rows, V] logits); fused = the same loss with its softmax part in one T
 most frequent in the training answers, both distributions renormalised over them (loss_head: ~k/V of the loss's
 cost, which at V = 152k is ~80% of a step).
 
---arch eagle3 trains an EAGLE-3 head (spec/eagle3.py) on the same data, rows, schedule and token loss: its input
+--arch eagle3 trains an EAGLE-3 head (speculative/eagle3.py) on the same data, rows, schedule and token loss: its input
 is fc over the target's three tapped layers (cached beside the final feature), there is no feature regression
 (the token loss alone, weight 1), --ttt-steps defaults to 3 (its later steps read its own output, which only the
 unrolled steps train), and its draft vocabulary is the --loss-vocab ids most frequent in the training answers
@@ -77,8 +77,8 @@ from plugins import layers
 from ..models.model import KVCache, Span, Transformer
 from ..models.registry import UserError
 from ..models.tokenizer import Tokenizer
-from ..spec.eagle import EagleDraft, _target_record, draft_config, save_draft
-from ..spec.eagle3 import Eagle3Draft, default_taps, draft3_config, save_draft3
+from ..speculative.eagle import EagleDraft, _target_record, draft_config, save_draft
+from ..speculative.eagle3 import Eagle3Draft, default_taps, draft3_config, save_draft3
 
 CE_WEIGHT = 0.1  # EAGLE's weight of the token loss against the feature loss
 NOISE = 0.1  # EAGLE's uniform noise on the input features: U(-NOISE, NOISE)

@@ -1,5 +1,5 @@
 """EAGLE-1/2 draft head: fc(concat(token embedding, target feature)) -> one decoder layer (input norm skipped);
-the loaders of draft directories and of the EAGLE checkpoints users bring (EAGLE-3: spec/eagle3.py).
+the loaders of draft directories and of the EAGLE checkpoints users bring (EAGLE-3: speculative/eagle3.py).
 
 It owns no embedding and no LM head: it borrows the target's (the LM head goes through a draft vocabulary).
 Draft engine directory: config.json (a ModelConfig of the single layer, plus `bias` and `target`) and
@@ -21,7 +21,7 @@ from ..models.registry import UserError
 
 
 class EagleDraft(nn.Module):
-    version = 2  # EAGLE-1/2 (spec/eagle3.py: EAGLE-3, with the same interface)
+    version = 2  # EAGLE-1/2 (speculative/eagle3.py: EAGLE-3, with the same interface)
 
     def __init__(self, cfg: ModelConfig, bias: bool):
         super().__init__()

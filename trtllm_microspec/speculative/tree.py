@@ -1,4 +1,4 @@
-"""The EAGLE-2 dynamic draft tree's shape and layout; the round itself, for a batch: spec/batch_tree.py.
+"""The EAGLE-2 dynamic draft tree's shape and layout; the round itself, for a batch: speculative/batch_tree.py.
 
 Round layout (n = committed length of both KV caches, root = the last emitted token, not yet in the target
 cache; h_last = the draft hidden that predicts the token after root):
@@ -50,7 +50,7 @@ def tree_for(device: torch.device | str, depth: int | None = None, top_k: int | 
 
 @dataclass
 class Tree:
-    """A batch of trees (spec/batch_tree.py): every field has a leading request dimension B."""
+    """A batch of trees (speculative/batch_tree.py): every field has a leading request dimension B."""
     tokens: torch.Tensor  # [B, N] root first
     parent: torch.Tensor  # [B, N] tree index of each node's parent (root: itself)
     depth: torch.Tensor  # [B, N]

@@ -15,7 +15,7 @@ The three layers are the inputs of target layers (2, L // 2, L - 3) unless the c
 (`eagle_aux_hidden_state_layer_ids`, vLLM's convention: the residual stream entering that layer); the target keeps
 them in every forward, CUDA graphs included (Transformer.taps).
 
-Beside EagleDraft (spec/eagle.py) it offers the same narrow interface the engines call: hidden(), features()
+Beside EagleDraft (speculative/eagle.py) it offers the same narrow interface the engines call: hidden(), features()
 (what the target hands the draft), head_in() (the draft hidden -> the LM head's input) and vocab_rows() (the LM
 head's rows and the target id of each, for the draft vocabularies of vocab/).
 
@@ -164,8 +164,8 @@ def save_draft3(model: Eagle3Draft, out_dir: Path, target_record: dict, layout: 
 
 
 def load_draft3(raw: dict, sd: dict, target: Transformer) -> Eagle3Draft:
-    """A draft directory's config and weights (spec/eagle.py load_draft read them) -> the head, on the meta device
-    until setup."""
+    """A draft directory's config and weights (speculative/eagle.py load_draft read them) -> the head, on the meta
+    device until setup."""
     t = target.cfg
     if raw.get("target_hidden_size") != t.hidden_size or raw.get("vocab_size") != t.vocab_size \
             or max(raw.get("taps", [t.num_layers + 1])) > t.num_layers:

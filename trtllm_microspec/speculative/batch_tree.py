@@ -1,4 +1,4 @@
-"""The EAGLE-2 round (layout: spec/tree.py) for a batch of B requests: each request drafts its own tree (one
+"""The EAGLE-2 round (layout: speculative/tree.py) for a batch of B requests: each request drafts its own tree (one
 batched draft forward per depth step), one target pass verifies every tree (B x total_tokens rows, each tree's
 mask over its own KV), and acceptance is per request. The draft head goes through each request's own vocabulary
 (`heads`), so MicroSpec windows stay per request. Device tensor ops only. The draft is called through
@@ -123,7 +123,7 @@ def verify(target, cache, tree: Tree, n, table, S: int):
 
 
 def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
-    """Acceptance per request (greedy, or sampled with `argmax` the target's draws: spec/sampling.py): path
+    """Acceptance per request (greedy, or sampled with `argmax` the target's draws: speculative/sampling.py): path
     [B, max_path] (tree indices by depth, padded with the leaf), accepted draft tokens k [B], emitted [B, max_path]
     (valid up to index k)."""
     B, N = tree.tokens.shape
