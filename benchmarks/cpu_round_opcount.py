@@ -133,7 +133,7 @@ def batched(engine: str, method: str):
 def single(engine: str, method: str):
     """The single-request executor (commit b1df5f7)."""
     import trtllm_microspec.engine.executor as E
-    import trtllm_microspec.speculative.tree as T
+    import trtllm_microspec.spec.tree as T  # b1df5f7 still has spec/
 
     llm = LLM(engine, method, device="cpu", dtype="float32", max_seq_len=1024, **TREE)
     ex = llm.executor
