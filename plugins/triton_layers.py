@@ -144,7 +144,10 @@ def act_mul(gate_up, gelu):
     return out
 
 
-@triton.jit
+# the per-pass ints (rows, spans, splits, the strides of per-pass tensors) are not specialised: Triton compiles a
+# variant per (== 1, % 16) pattern of each specialised int, and under continuous joins new patterns keep appearing
+@triton.jit(do_not_specialize=["T", "m", "stride_new_b", "stride_new", "stride_qpos", "stride_bt", "S", "split_len",
+                               "n_splits"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, o_ptr, part_o_ptr, part_ml_ptr,
                  T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, split_len, n_splits, stride_kh,
                  stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -216,7 +219,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr
         tl.store(o_ptr + out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TH", "n_splits"])  # per-pass ints, as _attn_kernel's
 def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, TH, n_splits, NSPLIT: tl.constexpr, D: tl.constexpr):
     r = tl.program_id(0)  # one (token, head) row
     splits = tl.arange(0, NSPLIT)
@@ -285,7 +288,7 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
 # the GPU (and a lone decode row's split is what the graphs' single Span does).
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_qpos", "stride_bt"])  # per-pass ints, as _attn_kernel's
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, tiles_ptr, seqs_ptr, o_ptr, H,
                    stride_qpos, stride_bt, stride_kh, stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
