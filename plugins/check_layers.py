@@ -4,11 +4,12 @@ Each op (add + RMSNorm, rotary + cache write, gated activation, the projections'
 it may be measured in (with bias, with SiLU / GELU x up in its prologue, split K, rows 1 .. 64, bf16 and fp32
 even under the interpreter), attention over random tree / causal / windowed spans, over batches of requests
 with their own committed lengths in a pool behind random block tables, and over a batched engine step's packed
-rows: prompt chunks and decode rows, `Spans`) and then whole forwards (one request, and a batch in a paged pool
-against each request alone) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms,
-(1 + w) norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an
-unwritten element fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention;
-bf16 must stay under 2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
+rows: prompt chunks and decode rows, `Spans`, in one launch and part by part) and then whole forwards (one
+request, a batch in a paged pool against each request alone, packed passes of chunks and decode rows) of small
+random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs
+are fresh random draws; outputs are poisoned first (caches too) so an unwritten element fails. Error =
+|got - ref| / |ref| (Frobenius), against a float64 reference for attention; bf16 must stay under 2e-2, fp32
+under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
 small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Each check prints one line as it
 finishes (all configs of one projection shape on one line), with its seconds; `--only TEXT` runs a subset; on a
 GPU the skinny GEMM's variants are compiled in --jobs processes first.
@@ -322,6 +323,47 @@ def check_model(dev, dtype, g, arch: str, D: int) -> float:
     return err
 
 
+def check_model_packed(dev, dtype, g, arch: str, D: int) -> float:
+    """Two packed passes as BatchRunner.pack builds them (a causal Spans over one paged pool): prompt chunks of
+    three requests, then the next chunks of two with a decode row of the third, whose prompt is in. Hidden states
+    of the Triton path (one attention launch a layer; Gemma's sliding layers with their window) vs the
+    reference's per-part loop."""
+    from trtllm_microspec.models.model import KVCache, Transformer
+
+    from .layers import KV_BLOCK, Spans
+
+    torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    model = Transformer(tiny_config(arch, D))
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.setup(dtype, dev)
+    blocks = 3
+    table = torch.randperm(3 * blocks + 2, generator=g)[:3 * blocks].view(3, blocks).to(dev)
+    tri = torch.ones(64, 64, dtype=torch.bool, device=dev).tril()
+    # (request, committed n, rows T) per chunk, and the decodes' (request, n)
+    passes = [([(0, 0, 20), (1, 0, 7), (2, 0, 33)], []), ([(0, 20, 15), (1, 7, 1)], [(2, 33)])]
+    outs = []
+    for use in (True, False):
+        model.cache = KVCache(model.cfg, model.cfg.num_layers, dtype, dev, slots=(3 * blocks + 2) * KV_BLOCK)
+        model.cache.k.fill_(float("nan"))
+        model.cache.v.fill_(float("nan"))
+        gen = torch.Generator().manual_seed(1)
+        for chunks, decodes in passes:
+            parts = [Span(torch.tensor([n], device=dev), tri[None, :T, :T], n + T, table[b:b + 1])
+                     for b, n, T in chunks]
+            ns = [n for _, n in decodes]
+            if ns:
+                parts.append(Span(torch.tensor(ns, device=dev), tri[:1, :1].expand(len(ns), 1, 1), max(ns) + 1,
+                                  table[[b for b, _ in decodes]]))
+            slots = torch.cat([n + torch.arange(T) for _, n, T in chunks] + [torch.tensor(ns, dtype=torch.long)])
+            slots = slots.to(dev)
+            ids = torch.randint(300, (slots.numel(),), generator=gen).to(dev)
+            with layers.path(use), torch.no_grad():
+                outs.append(model(ids, slots, slots, Spans(parts, causal=True)))
+    half = len(outs) // 2
+    return max(rel(a, b) for a, b in zip(outs[:half], outs[half:]))
+
+
 def check_model_batched(dev, dtype, g, arch: str, D: int) -> float:
     """Three requests in one paged pool: prefill (different lengths, padded to one T with rows that see only
     themselves), then a tree of 6 per request in one batched forward, against each request run alone on a
@@ -375,10 +417,12 @@ def check_model_batched(dev, dtype, g, arch: str, D: int) -> float:
 
 
 def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[tuple[int, int]], decodes: int,
-                           S: int) -> float:
+                           S: int, window: int = 0) -> float | tuple[float, str]:
     """A step's rows as the batched engine packs them (layers.Spans): prompt chunks (committed length n, T rows)
-    of their own lengths, then `decodes` requests of one row each, in one pool behind random block tables. The
-    Triton path against a float64 attention of each request alone over its own keys."""
+    of their own lengths, then `decodes` requests of one row each, in one pool behind random block tables, keys
+    at most window - 1 positions back when window > 0. The Triton path, both the one launch of a causal Spans
+    (triton_layers.attention_varlen, what the runner's passes take) and the per-part loop of an unflagged one,
+    against a float64 attention of each request alone over its own keys."""
     from .layers import KV_BLOCK, Spans
 
     reqs = list(chunks) + [(int(torch.randint(0, S, (1,), generator=g)), 1) for _ in range(decodes)]
@@ -387,7 +431,12 @@ def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[
     table = torch.randperm(pool, generator=g)[:len(reqs) * blocks].view(len(reqs), blocks).to(dev)
     k = torch.randn(KV, pool * KV_BLOCK, D, generator=g).to(dev, dtype)
     v = torch.randn(KV, pool * KV_BLOCK, D, generator=g).to(dev, dtype)
-    k_pos = torch.arange(pool * KV_BLOCK, device=dev)
+    k_pos = torch.zeros(pool * KV_BLOCK, dtype=torch.long, device=dev)  # each slot's logical position (window)
+    physes = []
+    for i, (n, T) in enumerate(reqs):
+        cols = torch.arange(n + T, device=dev)
+        physes.append(table[i, cols // KV_BLOCK] * KV_BLOCK + cols % KV_BLOCK)
+        k_pos[physes[-1]] = cols
     tri = torch.ones(S, S, dtype=torch.bool, device=dev).tril()  # chunks' masks are views of one, as the runner's
     parts = [Span(torch.tensor([n], device=dev), tri[None, :T, :T], n + T, table[i:i + 1])
              for i, (n, T) in enumerate(chunks)]
@@ -398,18 +447,25 @@ def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[
     q = torch.randn(rows, H, D, generator=g).to(dev, dtype)
     q_pos = torch.cat([n + torch.arange(T) for n, T in reqs]).to(dev)
     scale = D ** -0.5
+    one = Spans(parts, causal=True)
     with layers.path(True):
-        got = layers.attention(q, k, v, Spans(parts), q_pos, k_pos, 0, scale)
+        got = layers.attention(q, k, v, one, q_pos, k_pos, window, scale)
+        loop = layers.attention(q, k, v, Spans(parts), q_pos, k_pos, window, scale)
+    if not one._varlen:
+        return float("inf"), "the causal Spans did not run attention_varlen"
     refs, r0 = [], 0
-    for i, (n, T) in enumerate(reqs):
+    for (n, T), phys in zip(reqs, physes):
         cols = torch.arange(n + T, device=dev)
-        phys = table[i, cols // KV_BLOCK] * KV_BLOCK + cols % KV_BLOCK
-        mask = cols[None, :] <= (n + torch.arange(T, device=dev))[:, None]
+        t = n + torch.arange(T, device=dev)
+        mask = cols[None, :] <= t[:, None]
+        if window:
+            mask &= (t[:, None] - cols[None, :]) < window
         refs.append(torch.nn.functional.scaled_dot_product_attention(
             q[r0:r0 + T].double().transpose(0, 1), k[:, phys].double(), v[:, phys].double(), attn_mask=mask,
             scale=scale, enable_gqa=True).transpose(0, 1))
         r0 += T
-    return rel(got, torch.cat(refs))
+    ref = torch.cat(refs)
+    return max(rel(got, ref), rel(loop, ref))
 
 
 def fix_interpreter() -> None:
@@ -524,18 +580,24 @@ def cases(dev: str, big: bool, g):
                 yield (f"paged attention {kind} B={B} T={T} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
                        lambda H=H, KV=KV, D=D, B=B, T=T, S=S, w=w, kind=kind:
                        check_paged_attention(dev, dtype, g, H, KV, D, B, T, S, w, kind))
-        packed = [([(0, 600), (300, 40)], 70, 1024), ([(900, 100)], 200, 1024)] if big else \
-                 [([(0, 9), (20, 5)], 3, 48), ([(7, 1)], 4, 40)]
+        # (chunks (n, T), decodes, S, window): chunks of their own lengths, long ones (>= LONG_ROWS) among them
+        packed = [([(0, 600), (300, 40)], 70, 1024, 0), ([(900, 100)], 200, 1024, 0),
+                  ([(0, 512), (512, 512), (100, 37), (0, 1), (700, 600), (30, 129)] + [(64 * i, 64) for i in range(8)],
+                   256, 1400, 0), ([(0, 600), (200, 64), (0, 7)], 30, 1024, 128)] if big else \
+                 [([(0, 9), (20, 5)], 3, 48, 0), ([(7, 1)], 4, 40, 0),
+                  ([(0, 20), (5, 1), (30, 12), (0, 3), (17, 33)], 5, 64, 0), ([(0, 20), (10, 7)], 2, 40, 8)]
         for H, KV, D in shapes[:2]:
-            for chunks, dec, S in packed:
-                yield (f"packed attention chunks={chunks} decodes={dec} S={S} H={H}/{KV} D={D} {dn}", tol,
-                       lambda H=H, KV=KV, D=D, chunks=chunks, dec=dec, S=S:
-                       check_packed_attention(dev, dtype, g, H, KV, D, chunks, dec, S))
+            for chunks, dec, S, w in packed:
+                yield (f"packed attention chunks={chunks} decodes={dec} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
+                       lambda H=H, KV=KV, D=D, chunks=chunks, dec=dec, S=S, w=w:
+                       check_packed_attention(dev, dtype, g, H, KV, D, chunks, dec, S, w))
         for arch in ("llama", "qwen2", "gemma3"):
             D = 64 if big else 32
             yield f"model {arch} prefill+tree {dn}", tol, lambda arch=arch: check_model(dev, dtype, g, arch, D)
             yield (f"model {arch} batched paged prefill+tree {dn}", tol,
                    lambda arch=arch: check_model_batched(dev, dtype, g, arch, D))
+            yield (f"model {arch} packed chunks+decodes {dn}", tol,
+                   lambda arch=arch: check_model_packed(dev, dtype, g, arch, D))
 
 
 def selected(name: str, only: list[str] | None) -> bool:

@@ -2,7 +2,8 @@
 attention over a `Span`, and the projections (`linear`). Each function here is the plain-torch reference (the CPU
 path, training under autograd, and what the checks compare against); on CUDA, outside autograd, it calls the
 Triton kernel of plugins/triton_layers.py instead, one launch per call (attention: one, plus a split combine for
-long spans; prefill spans of LONG_ROWS rows or more stay on the reference, whose SDPA is faster there). The
+long spans; prefill spans of LONG_ROWS rows or more stay on the reference, whose SDPA is faster there; a causal
+Spans, a batched step's prompt chunks and decode rows, one launch for all its parts). The
 projections run their skinny GEMM only at 1-64 rows and only where it measured faster than cuBLAS for the shape
 (`linear_choice`), so that default is never slower than F.linear; `norm_linear` folds the residual add + RMSNorm
 into the next projection's skinny GEMM likewise only where that measured faster than the two calls.
@@ -117,14 +118,29 @@ class Span:
 class Spans:
     """Several Spans over consecutive rows of one pass: a step's prefill chunks (one Span each, no padding rows)
     and its decode rows (one Span of B requests x 1 row). The row-wise work (GEMMs, norms, rotary, cache writes)
-    runs once over all rows; attention runs once per part, on the same kernels as a lone Span."""
+    runs once over all rows. causal: the builder promises every part's mask is the causal triangle of its own rows
+    (new [B, T, T] lower-triangular: a prompt chunk, or one-row decodes), as BatchRunner.pack builds them; then the
+    fast path attends over all parts in one launch (triton_layers.attention_varlen), a step with many chunks
+    being bound by the host's launches otherwise. Else, and on the reference path, attention runs once per part."""
     parts: list[Span]
+    causal: bool = False
+    # optional, from a builder whose parts' tables are rows of one table (BatchRunner.pack): that table and the row
+    # of it each of the pass's rows reads, so `physical` is one gather for every part instead of ~6 ops a part
+    table: torch.Tensor | None = None
+    row_table: torch.Tensor | None = None  # [rows] long
+    _varlen: dict = field(default_factory=dict, repr=False)  # attention_varlen's tiles and metadata, per pass
+
+    def __post_init__(self):
+        # the shapes are what can be checked without reading the device; the triangle is the builder's word
+        assert not self.causal or all(p.new.shape[1] == p.new.shape[2] for p in self.parts), "causal parts: T == m"
 
     @property
     def rows(self) -> list[int]:
         return [p.B * p.new.shape[1] for p in self.parts]
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
+        if self.row_table is not None:
+            return self.table[self.row_table, slots // KV_BLOCK] * KV_BLOCK + slots % KV_BLOCK
         return torch.cat([p.physical(s) for p, s in zip(self.parts, slots.split(self.rows))])
 
 
@@ -186,8 +202,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
               k_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
     """q [B * T, H, D] over the cache pools [KV, slots, D] (GQA: q head h reads kv head h // (H / KV)) as `span`
     says, keys at most window - 1 positions back when window > 0 -> [B * T, H, D]. k_pos: position of every
-    physical slot. `span` may be Spans: each part attends on its own rows."""
+    physical slot. `span` may be Spans: each part attends on its own rows (a causal one in one launch on CUDA)."""
     if isinstance(span, Spans):
+        if span.causal and fast(q, k_cache, v_cache):
+            from .triton_layers import attention_varlen
+            return attention_varlen(q, k_cache, v_cache, span, q_pos, k_pos, window, scale)
         rows = span.rows
         return torch.cat([attention(qp, k_cache, v_cache, part, pp, k_pos, window, scale)
                           for part, qp, pp in zip(span.parts, q.split(rows), q_pos.split(rows))])

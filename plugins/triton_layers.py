@@ -144,7 +144,10 @@ def act_mul(gate_up, gelu):
     return out
 
 
-@triton.jit
+# the per-pass ints (rows, spans, splits, the strides of per-pass tensors) are not specialised: Triton compiles a
+# variant per (== 1, % 16) pattern of each specialised int, and under continuous joins new patterns keep appearing
+@triton.jit(do_not_specialize=["T", "m", "stride_new_b", "stride_new", "stride_qpos", "stride_bt", "S", "split_len",
+                               "n_splits"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, o_ptr, part_o_ptr, part_ml_ptr,
                  T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, split_len, n_splits, stride_kh,
                  stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -216,7 +219,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr
         tl.store(o_ptr + out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TH", "n_splits"])  # per-pass ints, as _attn_kernel's
 def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, TH, n_splits, NSPLIT: tl.constexpr, D: tl.constexpr):
     r = tl.program_id(0)  # one (token, head) row
     splits = tl.arange(0, NSPLIT)
@@ -273,6 +276,132 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
     if split:
         _combine_kernel[(R * H,)](part_o, part_ml, o, R * H, n_splits, NSPLIT=triton.next_power_of_2(n_splits), D=D,
                                   num_warps=1)
+    return o
+
+
+# --- packed causal attention: a batched step's prompt chunks and decode rows (layers.Spans, causal) in one launch ---
+# Launching _attn_kernel per part costs the host more than the GPU's work in a step with many chunks (28 layers x
+# ~16 parts x the reference's ~10 ops of a long chunk). Here every part is causal over its own rows, so a
+# sequence (one chunk, or one decode request) is just (first row, rows T, committed n, block-table row): row t
+# sees logical slots < n + t + 1. The grid runs over a flat list of (sequence, row block) tiles, built on the
+# host once per pass and kept on the Spans (every layer reuses it). No KV splits: the rows of such a pass fill
+# the GPU (and a lone decode row's split is what the graphs' single Span does).
+
+
+@triton.jit(do_not_specialize=["stride_qpos", "stride_bt"])  # per-pass ints, as _attn_kernel's
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, tiles_ptr, seqs_ptr, o_ptr, H,
+                   stride_qpos, stride_bt, stride_kh, stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr,
+                   PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """One program: row block `blk` (BLOCK_M rows of (token t, q head kvh*G + g)) of sequence `seq` and one kv
+    head. seqs[seq] = (first row in the pass, rows T); n[seq] committed slots; row t sees logical slots
+    < n + t + 1 (within `window` positions if set), read at physical table[seq, s // PAGE] * PAGE + s % PAGE."""
+    tile, kvh = tl.program_id(0), tl.program_id(1)
+    seq, blk = tl.load(tiles_ptr + 2 * tile), tl.load(tiles_ptr + 2 * tile + 1)
+    row0, T = tl.load(seqs_ptr + 2 * seq), tl.load(seqs_ptr + 2 * seq + 1)
+    n = tl.load(n_ptr + seq)
+    i = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    t, g = i // G, i % G
+    head = kvh * G + g
+    row_ok = t < T
+    r = row0 + t  # the row in the pass
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + (r * H + head)[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    t_last = tl.minimum(blk * BLOCK_M + BLOCK_M - 1, T * G - 1) // G
+    end = n + t_last + 1  # the block's last row sees no slot after its own: later ones are skipped
+    if WINDOW:
+        qpos = tl.load(qpos_ptr + r * stride_qpos, mask=row_ok, other=0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    kbase = k_ptr + kvh * stride_kh
+    vbase = v_ptr + kvh * stride_kh
+    for s0 in range(0, end, BLOCK_N):
+        cols = s0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        page = tl.load(bt_ptr + seq * stride_bt + cols // PAGE, mask=col_ok, other=0)
+        phys = page * PAGE + cols % PAGE
+        k = tl.load(kbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            qk = tl.dot(q, tl.trans(k)) * scale
+        vis = (cols[None, :] < (n + t + 1)[:, None]) & row_ok[:, None]  # causal (implies cols < end)
+        if WINDOW:
+            kpos = tl.load(kpos_ptr + phys, mask=col_ok, other=0)
+            vis = vis & ((qpos[:, None] - kpos[None, :]) < window)
+        qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = (r * H + head)[:, None] * D + dims[None, :]
+    tl.store(o_ptr + out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def varlen_plan(rows: int, D: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for a packed pass whose longest sequence has `rows` (token, head) rows per kv head (as
+    attention_plan picks for one span of that many rows)."""
+    return (16 if rows <= 16 else 32 if rows <= 32 else 64), (64 if D <= 128 else 32)
+
+
+def varlen_tiles(spans, G: int, block_m: int):
+    """The tile list and per-sequence metadata of a causal Spans for BLOCK_M rows of G heads a tile, on the
+    device: (tiles [N, 2] int32 (sequence, row block), seqs [nseq, 2] int32 (first row, rows), n [nseq],
+    table [nseq, blocks]). Built once per (G, BLOCK_M) and kept on the Spans: each layer of the pass (of the
+    target and a draft sharing the rows) reuses it. The host part goes to the device in one copy, from pinned
+    memory without a wait (mid-forward: the GPU still has the earlier layers' work queued)."""
+    import torch
+
+    key = (G, block_m)
+    if key not in spans._varlen:
+        if "seqs" not in spans._varlen:  # the parts' device tensors, one cat each (same width in the runner)
+            width = max(p.block_table.shape[1] for p in spans.parts)
+            table = torch.cat([torch.nn.functional.pad(p.block_table, (0, width - p.block_table.shape[1]))
+                               for p in spans.parts])
+            spans._varlen["seqs"] = (torch.cat([p.n for p in spans.parts]), table)
+        starts, lens = [], []
+        row = 0
+        for p in spans.parts:
+            B, T = p.new.shape[:2]
+            starts += range(row, row + B * T, T)
+            lens += [T] * B
+            row += B * T
+        # a sequence's last row blocks read the most keys: they go first, so the grid's last wave is short tiles
+        tiles = [(s, blk) for s, T in enumerate(lens) for blk in reversed(range(triton.cdiv(T * G, block_m)))]
+        host = torch.tensor([*zip(starts, lens), *tiles], dtype=torch.int32)
+        n, table = spans._varlen["seqs"]
+        if n.is_cuda:
+            host = host.pin_memory().to(n.device, non_blocking=True)
+        spans._varlen[key] = (host[len(lens):], host[:len(lens)], n, table)
+    return spans._varlen[key]
+
+
+def attention_varlen(q, k_cache, v_cache, spans, q_pos, k_pos, window, scale):
+    """layers.attention over a causal Spans (every part's rows causal over their own new slots): one launch."""
+    import torch
+
+    from .layers import KV_BLOCK
+
+    R, H, D = q.shape
+    KV = k_cache.shape[0]
+    G = H // KV
+    assert R == sum(spans.rows) and q.is_contiguous() and k_cache.stride(-1) == 1 and k_pos.stride(0) == 1
+    block_m, block_n = varlen_plan(max(p.new.shape[1] for p in spans.parts) * G, D)
+    tiles, seqs, n, table = varlen_tiles(spans, G, block_m)
+    assert table.stride(1) == 1 and n.stride(0) == 1
+    o = torch.empty_like(q)
+    _varlen_kernel[(tiles.shape[0], KV)](q, k_cache, v_cache, q_pos, k_pos, n, table, tiles, seqs, o, H,
+                                         q_pos.stride(0), table.stride(0), k_cache.stride(0), k_cache.stride(1),
+                                         window, scale, G=G, D=D, PAGE=KV_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n,
+                                         WINDOW=window > 0, IEEE=q.dtype == torch.float32, num_warps=4)
     return o
 
 

@@ -19,7 +19,8 @@ from trtllm_microspec.data import sharegpt_conversations
 from trtllm_microspec.engine.loader import load_target
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.train import train_draft
-from trtllm_microspec.train.distill import MANIFEST, distill, load_distilled, read_shard
+from trtllm_microspec.engine.scheduler import StepRecord
+from trtllm_microspec.train.distill import MANIFEST, _steps_line, distill, load_distilled, read_shard
 from trtllm_microspec.train.train_draft import SoftCE, loss_head, plan_rows, train
 
 TOKENS = 8  # new tokens per answer: the CPU is slow
@@ -210,6 +211,13 @@ def test_pruned_loss_is_the_soft_ce_over_its_ids(engine_dir):
     full_p = F.linear(want, target.head_weight)[:, ids].softmax(-1)
     torch.testing.assert_close(SoftCE.apply(h, w, want)[0], -(full_p * full_q).sum(), atol=1e-4, rtol=1e-4)
     assert loss_head(target, seqs, "pruned", V)[0] is None  # the whole vocabulary: the full loss
+
+
+def test_steps_line_splits_the_wall_time():
+    rec = [StepRecord(4, [100, 30], 134, 0, 6, 0, step_s=0.5), StepRecord(6, [], 6, 0, 6, 0, step_s=0.1),
+           StepRecord(6, [], 6, 0, 6, 0, step_s=0.2), StepRecord(0, [], 0, 0, 0, 0, step_s=0.01)]  # last: idle
+    assert _steps_line(rec, 1.0) == ("3 engine steps: 1 with prompt chunks (134 rows p50, 0.5 s), 2 decode-only "
+                                     "(6 rows p50, 0.3 s); 0.2 s between steps")
 
 
 def test_plan_rows():

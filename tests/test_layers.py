@@ -1,7 +1,8 @@
 """The Triton layer kernels (plugins/triton_layers.py) against their torch reference (plugins/layers.py), run on
 the CPU by Triton's interpreter: every op on random inputs (tree, causal, draft-expansion and windowed attention
-spans, a split span, expanded positions; the projections' skinny GEMM in every config, bf16 and fp32) and
-whole forwards of small random Llama, Qwen2 and Gemma-3 models. The same check runs on a GPU with
+spans, a split span, a batched step's packed chunks and decode rows in one launch, expanded positions; the
+projections' skinny GEMM in every config, bf16 and fp32) and whole forwards of small random Llama, Qwen2 and
+Gemma-3 models (one request, a paged batch, packed passes). The same check runs on a GPU with
 `python -m plugins.check_layers` (bf16 and fp32, the real shapes)."""
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
     lines = r.stdout.splitlines()
     assert r.returncode == 0, "\n".join(l for l in lines if not l.startswith("PASS")) + r.stderr[-2000:]
     assert " passed in " in lines[-1] and any(l.startswith("PASS") and "model gemma3" in l for l in lines)
+    # a batched step's packed pass in one attention launch: chunks + decodes, windowed, and whole models
+    assert any(l.startswith("PASS") and "packed attention" in l and "window=8" in l for l in lines)
+    assert any(l.startswith("PASS") and "model gemma3 packed" in l for l in lines)
     skinny = [l for l in lines if "skinny linear" in l]  # every config, both dtypes, split-K and both activations
     assert all(any(w in l for l in skinny) for w in ("bfloat16", "float32", "act=silu", "act=gelu", "bias=True"))
     assert any("/2" in l.split("configs")[1] for l in skinny if "bfloat16" in l)  # K split in 2, both dtypes

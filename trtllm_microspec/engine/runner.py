@@ -9,7 +9,8 @@ is captured in a graph per (batch-size bucket, span bucket, sampling mode) and r
 (up to the batch-size bucket, on every device, so the CPU tests run what the graphs capture) are padding: a greedy
 request of length 0 in the padding slot, whose table points at the pool's block 0 (never handed out). A step with
 prompt chunks runs eagerly: its rows are packed (no padding; `pack`, shared by AR and the speculative runner),
-each chunk attends as its own Span, the decode rows as one (plugins/layers.py Spans).
+each chunk attends as its own Span, the decode rows as one (plugins/layers.py Spans; on CUDA one attention launch
+a layer for all of them).
 
 Sampling: each batch slot is a row of one Sampler (speculative/sampling.py), set when a request joins, with the key of
 its seed; the uniform of a token is a hash of that key and the token's position, computed inside the step, so a
@@ -18,7 +19,9 @@ or a preemption (recomputed, its tokens keep their positions).
 """
 from __future__ import annotations
 
+import array
 import heapq
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -81,6 +84,12 @@ class Packed:
     extra: list[torch.Tensor]  # pack's `extra` host tensors, on the device
 
 
+def longs(xs: list[int]) -> torch.Tensor:
+    """A host int64 tensor of a list of ints, through array.array: torch.tensor on a Python list costs ~10x more
+    (a packed pass's 8k token ids: milliseconds of every step's host time)."""
+    return torch.frombuffer(array.array("q", xs), dtype=torch.long) if xs else torch.zeros(0, dtype=torch.long)
+
+
 def batch_bucket(B: int, max_batch: int) -> int:
     b = 1
     while b < B:
@@ -119,6 +128,8 @@ class BatchRunner:
         # a heap: a request takes the lowest free slot, so the running ones stay packed at the front (the
         # batched MicroSpec draft head runs over slots 0 .. the highest one in use)
         self.free_slots = list(range(max_batch))
+        self.joined: list[int] = []  # slots joined since the last map_blocks, their table rows to clear
+        self.joined_blocks: list[tuple[int, int, int]] = []  # and the blocks they joined with (speculative)
         self.inp = torch.zeros(3, max_batch, dtype=torch.long, device=dev)  # rows: last token, n, batch slot
         self.next = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.one = causal(1, dev)[None]
@@ -134,17 +145,26 @@ class BatchRunner:
         return min(len(prompt) + max_new_tokens + self.reserve, self.target.cfg.max_seq_len)
 
     def join(self, req, blocks: list[int]) -> None:
+        """req takes a batch slot; its table row is cleared and given `blocks` at the step's map_blocks (one copy
+        to the device for every join and growth of the step, not one each)."""
         req.slot = heapq.heappop(self.free_slots)
-        row = torch.zeros(self.table.shape[1], dtype=torch.long)
-        row[:len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        self.table[req.slot].copy_(row)
+        self.joined.append(req.slot)
+        self.joined_blocks += [(req.slot, i, b) for i, b in enumerate(blocks)]
         self.sampler.start(req.slot, req.params, self.target.cfg.vocab_size)
 
     def map_blocks(self, updates: list[tuple[int, int, int]]) -> None:
-        """(batch slot, table column, block) of every block handed out this step, into the table in one write."""
+        """The table rows of the slots joined since the last call cleared, then (batch slot, table column, block)
+        of every block handed out this step written: one host -> device copy, two writes."""
+        updates = self.joined_blocks + updates
+        if not self.joined and not updates:
+            return
+        host = longs(self.joined + [x for u in updates for x in u]).to(self.device)
+        fresh, (slot, col, block) = host[:len(self.joined)], host[len(self.joined):].view(-1, 3).T
+        if self.joined:
+            self.table.index_fill_(0, fresh, 0)
         if updates:
-            slot, col, block = torch.tensor(updates, dtype=torch.long).to(self.device).T
             self.table.index_put_((slot, col), block)
+        self.joined, self.joined_blocks = [], []
 
     def leave(self, req) -> None:
         if req.slot >= 0:
@@ -178,33 +198,41 @@ class BatchRunner:
         """The inputs of one packed pass (AR's step, SpecRunner's prompt pass): each chunk's rows, then one row per
         decode, no padding rows; each chunk attends as its own Span, the decode rows as one. Every index goes to
         the device in one host -> device copy, with the `extra` host tensors (the draft's next tokens)."""
-        dev = self.device
+        dev, B, D = self.device, len(chunks), len(decodes)
         lens = [c for _, c in chunks]
         starts = [req.prefilled for req, _ in chunks]
-        ids = [tok for req, c in chunks for tok in req.chunk(c)] + [r.last for r in decodes]
-        P = len(ids) - len(decodes)  # prompt rows
-        lens_t = torch.tensor(lens)
-        offsets = lens_t.cumsum(0) - lens_t  # each chunk's first row
-        slots = torch.arange(P) + (torch.tensor(starts) - offsets).repeat_interleave(lens_t)  # each row's logical slot
+        ids = []
+        for req, c in chunks:
+            ids += req.chunk(c)
+        ids += [r.last for r in decodes]
+        P = len(ids) - D  # prompt rows
+        offsets = list(itertools.accumulate(lens, initial=0))  # each chunk's first row
         ends = [b for b, (req, c) in enumerate(chunks) if req.prefilled + c == req.seq_len]  # prompt done: a token
-        rows = [int(offsets[b]) + lens[b] - 1 for b in ends] + list(range(P, P + len(decodes)))
+        rows = [offsets[b] + lens[b] - 1 for b in ends] + list(range(P, P + D))
         sample = [chunks[b][0].slot for b in ends] + [r.slot for r in decodes]
         # the position of each sampled token: after its prompt, or after its request's last token
         at = [starts[b] + lens[b] for b in ends] + [r.n + 1 for r in decodes]
-        host = [torch.tensor(ids), slots, torch.tensor([r.n for r in decodes], dtype=torch.long),
-                torch.tensor(starts), torch.tensor(rows, dtype=torch.long), torch.tensor(sample, dtype=torch.long),
-                torch.tensor(at, dtype=torch.long), *extra]
-        tokens, chunk_slots, n_dec, n_chunk, rows_d, slot_d, at_d, *extra_d = \
-            torch.cat(host).to(dev).split([x.numel() for x in host])
+        R = len(rows)
+        meta = longs(lens + [starts[b] - offsets[b] for b in range(B)] + [req.slot for req, _ in chunks] +
+                     [r.n for r in decodes] + sample[len(ends):] + starts + rows + sample + at)
+        lens_t, shift, chunk_slot, n_dec, dec_slot, tail = meta.split([B, B, B, D, D, B + 3 * R])
+        # each row's logical slot (its position) and its batch slot (its row of the block table): the chunks'
+        # rows, then the decodes'
+        host = [longs(ids), torch.arange(P) + shift.repeat_interleave(lens_t), n_dec,
+                chunk_slot.repeat_interleave(lens_t), dec_slot, tail, *extra]
+        tokens, pos, row_table, n_chunk, rows_d, slot_d, at_d, *extra_d = \
+            torch.cat(host).to(dev).split([P + D, P + D, P + D, B, R, R, R, *(x.numel() for x in extra)])
         if max(lens) > self.tri.shape[0]:
             self.tri = causal(1 << (max(lens) - 1).bit_length(), dev)
         parts = [Span(n_chunk[b:b + 1], self.tri[None, :c, :c], starts[b] + c, self.table[req.slot:req.slot + 1])
                  for b, (req, c) in enumerate(chunks)]
         if decodes:
-            parts.append(Span(n_dec, self.one.expand(len(decodes), 1, 1), max(r.n for r in decodes) + 1,
-                              self.table.index_select(0, slot_d[len(ends):])))
-        return Packed(tokens, torch.cat([chunk_slots, n_dec]), Spans(parts), rows_d, slot_d, at_d, sample, ends,
-                      extra_d)
+            parts.append(Span(pos[P:], self.one.expand(D, 1, 1), max(r.n for r in decodes) + 1,
+                              self.table.index_select(0, row_table[P:])))
+        # causal: each part's mask is its rows' triangle (a chunk's, a decode's 1 x 1), so on CUDA attention runs
+        # all parts in one launch a layer; the rows' table rows make their physical slots one gather
+        return Packed(tokens, pos, Spans(parts, causal=True, table=self.table, row_table=row_table), rows_d, slot_d,
+                      at_d, sample, ends, extra_d)
 
     def advance(self, chunks: list[tuple], decodes: list, toks: list[int]):
         """The host side after a packed pass: each request past its chunk, the first token of each whose prompt is
@@ -232,8 +260,9 @@ class BatchRunner:
         """The host side of a step: each request's (last token, committed length, batch slot) into the persistent
         input buffer, `rows` - len(reqs) padding rows after them. Returns the KV span S (a bucket under CUDA
         graphs) and the sampling mode: with the row count, what a step's graph is keyed by."""
-        pad = [(0, 0, self.pad)] * (rows - len(reqs))
-        self.inp[:, :rows].copy_(torch.tensor([(r.last, r.n, r.slot) for r in reqs] + pad).T)
+        pad = rows - len(reqs)
+        self.inp[:, :rows].copy_(longs([r.last for r in reqs] + [0] * pad + [r.n for r in reqs] + [0] * pad +
+                                       [r.slot for r in reqs] + [self.pad] * pad).view(3, rows))
         S = max(r.n for r in reqs) + self.reserve
         if self.graphs:
             S = bucket_for(S, self.target.cfg.max_seq_len)
@@ -336,12 +365,15 @@ class SpecRunner(BatchRunner):
         a chunk needs nothing from the next one. A decode row is what `_round` does for plain rows: the root
         verified, its token from the position-keyed sampler, the target's top-K_ver deferred to the request's next
         round. A request's window starts once its whole prompt is in, from its prompt and its top-K_pre, as alone."""
-        t, d, dev = self.target, self.draft, self.device
+        t, d = self.target, self.draft
         nxt = []
         for req, c in chunks:
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
             nxt += after + [0] * (c - len(after))
-        p = self.pack(chunks, decodes, [torch.tensor(nxt + [0] * len(decodes), dtype=torch.long)])
+        # the prompts whose windows start in this pass go to the device with the pass's inputs (a copy after the
+        # target's launches would wait for them to run)
+        prompts = [longs(req.prompt) for req, c in chunks if req.prefilled + c == req.seq_len]
+        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)), *prompts])
         h = t(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
         feat = d.features(h)  # the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
         if self.window_pre:  # every prompt row's top-K_pre, PREFILL_CHUNK rows per LM-head call (never [P x V])
@@ -358,9 +390,8 @@ class SpecRunner(BatchRunner):
             tok = self.sampler.choose(logits, p.slot, p.at, self.sampler.mode(p.sample))
             # the sampled rows' verified ids: a decode's wait for its next round, ext-only's window starts from them
             ver = t.topk(logits, self.k_ver)
-            for i, b in enumerate(p.ends):
+            for i, (b, prompt) in enumerate(zip(p.ends, p.extra[1:])):
                 req = chunks[b][0]
-                prompt = torch.tensor(req.prompt, device=dev)
                 topk_pre = torch.cat(self.topk_pre.pop(req.slot)) if self.window_pre else None
                 self.vocab.start(req.slot, prompt, topk_pre, None if self.vocab.use_prompt else ver[i:i + 1])
                 self.vocab.join()  # before the next window's gather: one in flight at a time

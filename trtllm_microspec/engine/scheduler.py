@@ -109,6 +109,7 @@ class Scheduler:
         if max_batch < 1:
             raise UserError(f"max_batch must be at least 1, got {max_batch}")
         self.runner, self.max_batch = runner, max_batch
+        self.max_seq_len = runner.target.cfg.max_seq_len
         self.blocks: BlockManager = runner.blocks
         self.stop_ids = set(runner.stop_ids)
         self.waiting: deque[Request] = deque()
@@ -118,6 +119,8 @@ class Scheduler:
         self.timing = False  # CUDA events around every pass (profile's step timeline)
         self._updates: list[tuple[int, int, int]] = []  # blocks handed out while scheduling, for the table
         self.decode_rows = 1  # rows per decoding request of the step being scheduled (runner.plan)
+        # the boundary scans the batch only after a request finished or was cancelled (set before the flag is read)
+        self._finished = self._cancels = False
 
     @property
     def max_num_tokens(self) -> int:
@@ -138,6 +141,7 @@ class Scheduler:
     def cancel(self, req: Request) -> None:
         """The request leaves at the next step boundary; its blocks go back then."""
         req.cancelled = True
+        self._cancels = True
 
     @property
     def idle(self) -> bool:
@@ -149,14 +153,20 @@ class Scheduler:
         req.stats.wall_s = time.perf_counter() - req.t_submit
         self.blocks.release(req.rid)
         self.runner.leave(req)
+        self._finished = True
 
     def _boundary(self) -> None:
-        if any(r.cancelled or r.done for r in self.running):
-            for req in [r for r in self.running if r.cancelled or r.done]:
-                self.running.remove(req)
+        cancels, finished = self._cancels, self._finished
+        if not (cancels or finished):  # most steps: nothing left the batch
+            return
+        self._cancels = self._finished = False  # before the scans: a cancel during them is seen next step
+        gone = [r for r in self.running if r.cancelled or r.done]
+        if gone:
+            self.running[:] = [r for r in self.running if not (r.cancelled or r.done)]
+            for req in gone:
                 if not req.done:
                     self._finish(req, "cancelled")
-        if any(r.cancelled for r in self.waiting):
+        if cancels and any(r.cancelled for r in self.waiting):
             for req in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(req)
                 req.done, req.stats.stop_reason = True, "cancelled"
@@ -186,8 +196,12 @@ class Scheduler:
         decodes: list[Request] = []
         preempted = 0
         owned = self.blocks.owned
+        prompts: list[Request] = []  # the running requests still prefilling, in order
         for req in list(self.running):  # 1. every request past its prompt decodes
-            if req.slot < 0 or req.prefilling:  # preempted just now, or not ready
+            if req.slot < 0:  # preempted just now
+                continue
+            if req.prefilling:  # not ready
+                prompts.append(req)
                 continue
             if req.n + reserve <= KV_BLOCK * len(owned[req.rid]):  # most steps: its blocks hold the step
                 decodes.append(req)
@@ -203,10 +217,10 @@ class Scheduler:
         if decodes:  # the speculation policy's tree for this step: the rows each decoding request adds
             self.decode_rows = self.runner.plan(decodes)
             budget -= len(decodes) * self.decode_rows
-        for req in list(self.running):  # 2. the running prompts, in order, while the budget lasts
+        for req in prompts:  # 2. the running prompts, in order, while the budget lasts
             if budget <= 0:
                 break
-            if req.slot < 0 or not req.prefilling:
+            if req.slot < 0:  # preempted by an earlier one's chunk (or while the decodes were scheduled)
                 continue
             c = min(budget, req.seq_len - req.prefilled)
             while not self._grow(req, req.prefilled + c):
@@ -258,18 +272,19 @@ class Scheduler:
                 events[0].record()
             t1 = time.perf_counter()
             firsts, decoded = self._run(chunks, decodes)  # its tokens read back: the pass is over
-            dt = time.perf_counter() - t1  # the one pass counts for every request in it, as its phase
+            now = time.perf_counter()  # when every token of this step was emitted
+            dt = now - t1  # the one pass counts for every request in it, as its phase
             if events:
                 events[1].record()
                 rec.events = events
             for (req, _), first in zip(chunks, firsts):
                 req.stats.prefill_s += dt
                 if first is not None:
-                    req.t_first = req.t_first or time.perf_counter()  # a recomputed request had its first token
-                    emitted.append((req, self._emit(req, first)))
+                    req.t_first = req.t_first or now  # a recomputed request had its first token
+                    emitted.append((req, self._emit(req, first, now)))
             for req, toks in zip(decodes, decoded):
                 req.stats.decode_s += dt
-                emitted.append((req, self._emit(req, toks)))
+                emitted.append((req, self._emit(req, toks, now)))
         rec.step_s = time.perf_counter() - t0
         self.history.append(rec)
         return emitted
@@ -290,21 +305,22 @@ class Scheduler:
         req.error = f"{type(e).__name__}: {e}"
         self._finish(req, "error")
 
-    def _emit(self, req: Request, toks: list[int]) -> list[int]:
-        """Cut at EOS or the budget."""
-        room = req.max_new_tokens - len(req.out)
+    def _emit(self, req: Request, toks: list[int], now: float) -> list[int]:
+        """Cut at EOS or the budget (run for every request every step: kept lean)."""
         if len(toks) == 1:  # AR: one token (room >= 1: a request with no room has finished)
             stop = 0 if toks[0] in self.stop_ids else None
         else:
+            room = req.max_new_tokens - len(req.out)
             stop = next((i for i, t in enumerate(toks[:room]) if t in self.stop_ids), None)
             toks = toks[: stop + 1] if stop is not None else toks[:room]
-        req.out += toks
-        req.stats.new_tokens = len(req.out)
+        out = req.out
+        out += toks
+        req.stats.new_tokens = len(out)
         if toks:
-            req.emits.append((time.perf_counter(), len(toks)))
-        if stop is not None or len(req.out) >= req.max_new_tokens:
+            req.emits.append((now, len(toks)))
+        if stop is not None or len(out) >= req.max_new_tokens:
             self._finish(req, "eos" if stop is not None else "max_tokens")
-        elif req.n + self.runner.reserve >= self.runner.target.cfg.max_seq_len:  # no room for another step: the
+        elif req.n + self.runner.reserve >= self.max_seq_len:  # no room for another step: the
             self._finish(req, "length")
         return toks
 

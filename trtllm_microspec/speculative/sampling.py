@@ -139,16 +139,25 @@ class Sampler:
         self.top_p = torch.ones(rows, 1, device=device)
         self.key = torch.zeros(rows, 2, dtype=torch.long, device=device)
         self.params = [GREEDY] * rows
+        self.nongreedy: set[int] = set()  # the rows whose params sample (mode's all-greedy case without a scan)
+        self.knobs: list[tuple | None] = [None] * rows  # what start last wrote into each row's knob tensors
 
     def start(self, row: int, params: SamplingParams, vocab_size: int) -> None:
         if not params.greedy and parallel.world() > 1:
             raise UserError("sampling with tensor parallelism (--tp > 1) is not supported yet: use temperature 0")
         self.params[row] = params
-        self.sampled[row] = not params.greedy
-        # a greedy row of a mixed batch runs the sampling math too (its draw is dropped): keep it finite
-        self.temperature[row] = params.temperature or 1.0
-        self.top_k[row] = params.top_k or vocab_size
-        self.top_p[row] = params.top_p
+        if params.greedy:
+            self.nongreedy.discard(row)
+        else:
+            self.nongreedy.add(row)
+        knobs = (params.temperature, params.top_k, params.top_p, vocab_size)
+        if self.knobs[row] != knobs:  # else the row holds them already: e.g. a greedy join after a greedy one
+            self.knobs[row] = knobs
+            self.sampled[row] = not params.greedy
+            # a greedy row of a mixed batch runs the sampling math too (its draw is dropped): keep it finite
+            self.temperature[row] = params.temperature or 1.0
+            self.top_k[row] = params.top_k or vocab_size
+            self.top_p[row] = params.top_p
         if params.greedy:
             return
         seed = secrets.randbits(64) if params.seed is None else params.seed
@@ -160,6 +169,8 @@ class Sampler:
         """Which code a step of these rows runs, so each gets its own CUDA graphs: the argmax only (all greedy), or
         the sampling math too, with the top-k / top-p sort when any row filters (the rows that do not come through
         it unchanged)."""
+        if not self.nongreedy:
+            return "greedy"
         params = [self.params[r] for r in rows]
         return ("greedy" if all(p.greedy for p in params) else "top-k/p" if any(p.filtered for p in params)
                 else "sample")

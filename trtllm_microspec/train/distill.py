@@ -278,8 +278,24 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
           f"tokens) in {secs:.1f} s ({run['answer_tokens'] / max(secs, 1e-9):,.0f} tok/s), {run['skipped']} "
           f"skipped{'; --time-limit reached' if stopped else ''}; {out} holds {m['conversations']} conversations",
           file=sys.stderr)
+    print(f"[distill] {_steps_line(sched.history, secs)}", file=sys.stderr)
     del sched, llm
     return _summary(out, m, run, stopped, t0)
+
+
+def _steps_line(history, secs: float) -> str:
+    """Where the generation's wall time went (the scheduler's record, its last 65,536 steps at most): steps with
+    prompt chunks (eager, packed) and decode-only steps (graph-captured on CUDA), each kind's count, median rows
+    and total seconds, and the rest: this loop's own work between steps (tokenizing answers and next turns)."""
+    recs = [r for r in history if r.tokens]
+    parts, total = [], 0.0
+    for kind, sel in (("with prompt chunks", [r for r in recs if r.chunks]),
+                      ("decode-only", [r for r in recs if not r.chunks])):
+        s = sum(r.step_s for r in sel)
+        total += s
+        rows = sorted(r.tokens for r in sel)
+        parts.append(f"{len(sel)} {kind} ({rows[len(rows) // 2] if rows else 0} rows p50, {s:.1f} s)")
+    return f"{len(recs)} engine steps: {', '.join(parts)}; {max(secs - total, 0.0):.1f} s between steps"
 
 
 def _summary(out: Path, m: dict, run: dict, stopped: bool, t0: float) -> dict:

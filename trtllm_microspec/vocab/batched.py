@@ -95,6 +95,7 @@ class BatchWindow:
         R = self.R
         # one sentinel column per slot absorbs padded writes, as in the single-request layout
         self.ring = torch.full((slots, w_max + 1), -1, dtype=torch.long, device=dev)
+        self.slot_ids = torch.arange(slots, device=dev)  # start's one-slot batch as a view (no host -> device copy)
         self.head_pos = torch.zeros(slots, dtype=torch.long, device=dev)
         self.count = torch.zeros(slots, V + 1, dtype=torch.int32, device=dev)
         self.slot_of = torch.full((slots, V + 1), -1, dtype=torch.long, device=dev)
@@ -142,7 +143,7 @@ class BatchWindow:
         """A request joins batch slot `slot`: its window starts afresh from its prompt and top-K_pre ids (ext-only:
         from first_topk, the target's top-K_ver after the prompt)."""
         self.reset(slot)
-        batch = torch.tensor([slot], device=self.ring.device)
+        batch = self.slot_ids[slot:slot + 1]
         if self.use_prompt:
             stream = torch.cat([prompt_ids, ops.unique_first_rows(prompt_topk[None], self.first, batch)[0]])
         else:
