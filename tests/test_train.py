@@ -6,6 +6,7 @@ the data from measured rates, and --eval prints acceptance lengths."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -194,6 +195,7 @@ def test_resume_matches_uninterrupted_run(engine_dir, convs, trained, tmp_path, 
 
 def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_draft, "EVAL_CATEGORIES", ("qa",))  # one short prompt: the CPU is slow
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "6",
           "--max-len", "64", "--steps", "1", "--batch-tokens", "64", "--ttt-steps", "1", "--device", "cpu",
           "--save-every", "0", "--eval", "--eval-tokens", "8"])
@@ -201,3 +203,4 @@ def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
     assert r["steps"] == 1 and len(r["heldout_acc"]) == EVAL_DEPTHS
     assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no checkpoint
     assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # the features' allocator (CUDA)

@@ -64,6 +64,7 @@ import functools
 import gc
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -745,6 +746,10 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
 
 
 def cmd_train_draft(a) -> None:
+    # before CUDA's allocator starts: the cached features are thousands of row-sized tensors allocated after the
+    # distilling engine freed its KV pool and graphs; in fixed segments that memory stayed reserved in pieces and
+    # an EAGLE-3 recipe run ran out of device memory with 41 GiB reserved but unused (H200). A user's setting stays.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if a.eval and a.eval_tokens < 1:
         raise UserError("--eval-tokens must be at least 1")
     methods = tuple(m for m in a.eval_methods.split(",") if m)
