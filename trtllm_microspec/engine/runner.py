@@ -313,8 +313,8 @@ class SpecRunner(BatchRunner):
     vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. make_vocab's
     vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec window (ring, counts,
     active ids, packed head rows) per batch slot, reset when a request joins. Each step runs the shape the
-    speculation policy picks (engine/policy.py): a tree, or plain rows (the root alone, the window and the draft
-    carried on). A decode-only step is one device step with no host read but the one of its results, captured in a
+    speculation policy picks (engine/policy.py): a tree, or plain rows (AR's step; the window's ids deferred, the
+    draft's rows kept in a lag buffer for the request's next round). A decode-only step is one device step with no host read but the one of its results, captured in a
     CUDA graph per (shape, rows bucket, head slots bucket, span bucket, sampling mode); padding rows leave every
     window as it is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
     `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)` (its input feature from
@@ -447,7 +447,7 @@ class SpecRunner(BatchRunner):
 
     def decode(self, reqs: list) -> list[list[int]]:
         """One step for the batch in the planned shape: a draft / verify / update round, or plain decode rows
-        (the root alone: verified, the window and the draft's state carried on as after a round)."""
+        (AR's step, the draft's catch-up rows kept for the next round: `_plain`)."""
         B = len(reqs)
         Bb = batch_bucket(B, self.max_batch)
         shape = parallel.agree(self.policy.choose(reqs, Bb), self.device) if self.planned is None else self.planned
