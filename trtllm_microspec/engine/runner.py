@@ -314,8 +314,9 @@ class SpecRunner(BatchRunner):
     vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec window (ring, counts,
     active ids, packed head rows) per batch slot, reset when a request joins. Each step runs the shape the
     speculation policy picks (engine/policy.py): a tree, or plain rows (AR's step; the window's ids deferred, the
-    draft's rows kept in a lag buffer for the request's next round). A decode-only step is one device step with no host read but the one of its results, captured in a
-    CUDA graph per (shape, rows bucket, head slots bucket, span bucket, sampling mode); padding rows leave every
+    draft's rows kept in a lag buffer for the request's next round). A decode-only step is one device step with no
+    host read but the one of its results, captured in a CUDA graph per (shape, rows bucket, head slots bucket, span
+    bucket, sampling mode, catch-up rows bucket); padding rows leave every
     window as it is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
     `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)` (its input feature from
     the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and `draft.head_in(h)` (the
