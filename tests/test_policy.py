@@ -198,7 +198,8 @@ def test_sampled_equals_ar_for_every_shape(engine_dir, random_draft_dir):
 def test_lazy_draft_state_equals_per_step(engine_dir):
     """Plain steps leave the draft alone (SpecRunner's lag buffer) and a round first catches it up in one causal
     pass: after 5 plain steps then a round, and 20 (past the buffer's 10 rows: a plain step catches up the full
-    buffer) then a round, the draft's KV at every committed position and its h_last are those of a runner that
+    buffer; a request joining on the way makes a step with its prompt chunk beside the plain decode row, which
+    catches the draft up before its packed draft pass) then a round, the draft's KV at every committed position and its h_last are those of a runner that
     catches up after every plain step (lag_max 1: each plain step's catch-up row alone, as the per-step path ran
     it), to fp32 rounding (a GEMM of L rows vs one: ~1e-6); both give AR's tokens, and the rounds accept the same."""
     schedule = [0] * 5 + [2] + [0] * 20 + [2] * 3
@@ -214,12 +215,17 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
         steps = list(schedule)
         runner.policy.choose = lambda reqs, rows: steps.pop(0)
         req = sched.add(llm.prompt_ids(CASES[0][0]), 200)
-        seen, lags = [], []
+        seen, lags, mixed = [], [], []
         while steps and not req.done:
+            if len(lags) == 9:  # (the prompt's step, 5 plain, a round) 2 plain steps after the round
+                sched.add(llm.prompt_ids(CASES[1][0]), 4)
+            before = runner.lags[req.slot]
             sched.step()
             if req.prefilling:
                 continue
             lags.append(runner.lags[req.slot])
+            if sched.history[-1].chunks and sched.history[-1].decodes:
+                mixed.append((before, lags[-1]))
             if sched.history[-1].tree > 1:  # after a round: the committed draft KV and h_last
                 cols = physical(runner.table[req.slot:req.slot + 1], torch.arange(req.n)[None])[0]
                 c = runner.dcache
@@ -227,6 +233,7 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
                              runner.h_last[req.slot].clone(), list(req.out)))
         assert not steps, "the request ended before the schedule did"
         runs.append((seen, lags))
+        assert mixed == [(2 if lazy else 1, 0)]  # the mixed step caught the draft up, its own row in the packed pass
     (lazy, lazy_lags), (eager, eager_lags) = runs
     assert max(lazy_lags) == lag_max and max(eager_lags) == 1  # the lazy runner's buffer filled; the other's never
     assert len(lazy) == len(eager) == 4
