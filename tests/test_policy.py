@@ -156,7 +156,9 @@ def test_window_survives_plain_steps(engine_dir, alone):
             continue
         after = window(slot)
         if sched.history[-1].tree == 1:
-            assert after == before and (v.pending[slot] >= 0).any(), "a plain step changed the window"
+            assert after == before, "a plain step changed the window"
+            lag = runner.lags[slot]  # its verified ids wait in the lag buffer
+            assert lag >= 1 and (runner.lag_ver[slot, :lag] >= 0).all()
             plain_steps += 1
         else:
             assert before <= after and set(req.out) <= after, "a round lost the plain steps' ids"
@@ -202,7 +204,7 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
     catches the draft up before its packed draft pass) then a round, the draft's KV at every committed position
     and its h_last are those of a runner that catches up after every plain step (lag_max 1: each plain step's
     catch-up row alone, as the per-step path ran it), to fp32 rounding (a GEMM of L rows vs one: ~1e-6); both
-    give AR's tokens, and the rounds accept the same."""
+    give AR's tokens, the rounds accept the same and leave the same MicroSpec window."""
     schedule = [0] * 5 + [2] + [0] * 20 + [2] * 3
     runs = []
     for lazy in (True, False):
@@ -231,7 +233,7 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
                 cols = physical(runner.table[req.slot:req.slot + 1], torch.arange(req.n)[None])[0]
                 c = runner.dcache
                 seen.append((req.n, c.k[:, :, cols].clone(), c.v[:, :, cols].clone(), c.pos[cols].clone(),
-                             runner.h_last[req.slot].clone(), list(req.out)))
+                             runner.h_last[req.slot].clone(), list(req.out), runner.vocab.id_of[req.slot].clone()))
         assert not steps, "the request ended before the schedule did"
         runs.append((seen, lags))
         assert mixed == [(2 if lazy else 1, 0)]  # the mixed step caught the draft up, its own row in the packed pass
@@ -240,6 +242,7 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
     assert len(lazy) == len(eager) == 4
     for a, b in zip(lazy, eager):
         assert a[0] == b[0] and a[5] == b[5]  # the same tokens, the same acceptance
+        assert torch.equal(a[6], b[6])  # the same window: the plain steps' verified ids joined it in order
         for x, y in zip(a[1:5], b[1:5]):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)  # fp32 rounding: a pass of L rows vs 1
     ar = LLM(engine_dir, "ar", device="cpu")

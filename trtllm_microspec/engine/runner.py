@@ -369,6 +369,8 @@ class SpecRunner(BatchRunner):
         fdim = target.cfg.hidden_size * (len(taps) if taps else 1)
         self.lag_feat = torch.zeros(max_batch + 1, self.lag_max, fdim, dtype=self.cache.k.dtype, device=dev)
         self.lag_tok = torch.zeros(max_batch + 1, self.lag_max, dtype=torch.long, device=dev)
+        # and the step's verified top-K_ver ids, which join the window's deferred ids (vocab.defer) at the catch-up
+        self.lag_ver = torch.full((max_batch + 1, self.lag_max, k_ver), -1, dtype=torch.long, device=dev)
         self.lags = [0] * (max_batch + 1)  # per batch slot on the host: its pending rows (the device reads inp[3])
         self.inp = torch.zeros(4, max_batch, dtype=torch.long, device=dev)  # BatchRunner's rows, then each lag
 
@@ -541,14 +543,17 @@ class SpecRunner(BatchRunner):
         feat = self.lag_feat.index_select(0, slots)[:, :Lb].flatten(0, 1)
         h = self.draft.hidden(tok, feat, pos, pos, Span(start, causal_mask(Lb, self.device).expand(Bb, Lb, Lb), S,
                                                         table), cache=self.dcache).view(Bb, Lb, -1)
+        if self.vocab.takes_ids:  # the pending rows' verified ids, oldest first, to the window's deferred ones
+            pending = (self.steps_lag[None, :Lb] < lag[:, None]) & (slots != self.pad)[:, None]
+            ver = self.lag_ver.index_select(0, slots)[:, :Lb]
+            self.vocab.defer(slots, torch.where(pending[:, :, None], ver, -1).flatten(1))
         last = h.gather(1, (lag - 1).clamp(min=0)[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
         return torch.where((lag > 0)[:, None], last, self.h_last.index_select(0, slots))
 
     def _plain(self, Bb: int, S: int, mode: str, Lb: int) -> None:
-        """A plain step: AR's step (its tokens into self.next), the draft skipped; each row's target feature and
-        token into its lag buffer at index lag (0 after a catch-up of full buffers, Lb > 0), its verified top-K_ver
-        ids kept for its next round's window update (vocab.defer)."""
-        t, vocab = self.target, self.vocab
+        """A plain step: AR's step (its tokens into self.next), the draft skipped; each row's target feature, token
+        and verified top-K_ver ids (for its next round's window update) into its lag buffer at index lag (0 after
+        a catch-up of full buffers, Lb > 0)."""
         slots, lag = self.inp[2, :Bb], self.inp[3, :Bb]
         if Lb:
             table = self.table.index_select(0, slots)
@@ -557,9 +562,8 @@ class SpecRunner(BatchRunner):
         h, logits = self._decode(Bb, S, mode)
         self.lag_feat.index_put_((slots, lag), self.draft.features(h))
         self.lag_tok.index_put_((slots, lag), self.next[:Bb])
-        if vocab.takes_ids:  # a padding row adds nothing to the padding slot's window
-            ver = t.topk(logits, self.k_ver)  # (under --tp: over the ranks' vocabulary slices)
-            vocab.defer(slots, torch.where((slots != self.pad)[:, None], ver, -1))
+        if self.vocab.takes_ids:  # (under --tp: the top-K over the ranks' vocabulary slices)
+            self.lag_ver.index_put_((slots, lag), self.target.topk(logits, self.k_ver))
 
     def _round(self, shape: int, Bb: int, top: int, S: int, mode: str, Lb: int) -> None:
         if self.shapes[shape] is None:
