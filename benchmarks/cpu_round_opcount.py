@@ -70,8 +70,13 @@ def count(fn) -> tuple[int, collections.Counter]:
     return sum(ops.values()), ops
 
 
-def report(title: str, fn, top: int = int(os.environ.get("TOP", 6))) -> None:
-    fn()  # a warm-up of the same call (first-use allocations, the policy's state)
+def report(title: str, fn, top: int = int(os.environ.get("TOP", 6)), setup=None) -> None:
+    """setup (uncounted) runs before the warm-up and again before the counted call."""
+    for counted in (False, True):
+        if setup:
+            setup()
+        if not counted:
+            fn()  # a warm-up of the same call (first-use allocations, the policy's state)
     total, ops = count(fn)
     by_label = collections.Counter()
     for (label, _), c in ops.items():
@@ -128,6 +133,19 @@ def batched(engine: str, method: str):
                 rn.decode([req])
         report(f"{engine} {method}: one {'plain-row step' if rn.shapes[shape] is None else 'round'} "
                f"(batch 1, {rn.shapes[shape] or 'root only'})", step)
+    if hasattr(rn, "lag_max"):  # the lazy draft: a round after plain steps first catches the draft up (one pass)
+        def plain_steps(k=8):
+            for _ in range(k):
+                rn.planned = 0
+                rn.decode([req])
+
+        def tree_round():
+            rn.planned = 1
+            with record_function("round (glue)"):
+                rn.decode([req])
+        labelled(rn, "_catch_up", "catch-up")
+        report(f"{engine} {method}: one round after 8 plain steps (batch 1, {rn.shapes[1]})", tree_round,
+               setup=plain_steps)
 
 
 def single(engine: str, method: str):

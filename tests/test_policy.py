@@ -9,7 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+import torch
+
 from trtllm_microspec import LLM
+from trtllm_microspec.engine.runner import LAG
+from trtllm_microspec.speculative.batch_tree import physical
 from trtllm_microspec.engine.policy import SpecPolicy, StepCosts, prior_tokens, tree_shapes
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.speculative.tree import TreeConfig
@@ -152,7 +156,9 @@ def test_window_survives_plain_steps(engine_dir, alone):
             continue
         after = window(slot)
         if sched.history[-1].tree == 1:
-            assert after == before and (v.pending[slot] >= 0).any(), "a plain step changed the window"
+            assert after == before, "a plain step changed the window"
+            lag = runner.lags[slot]  # its verified ids wait in the lag buffer
+            assert lag >= 1 and (runner.lag_ver[slot, :lag] >= 0).all()
             plain_steps += 1
         else:
             assert before <= after and set(req.out) <= after, "a round lost the plain steps' ids"
@@ -189,3 +195,56 @@ def test_sampled_equals_ar_for_every_shape(engine_dir, random_draft_dir):
     sched.run(reqs)
     assert [r.out for r in reqs] == want
     assert llm.generate(CASES[1][0], CASES[1][2], **knobs[1]).token_ids == want[1]  # alone, one request
+
+
+def test_lazy_draft_state_equals_per_step(engine_dir):
+    """Plain steps leave the draft alone (SpecRunner's lag buffer) and a round first catches it up in one causal
+    pass: after 5 plain steps then a round, and 20 (past the buffer's 10 rows: a plain step catches up the full
+    buffer; a request joining on the way makes a step with its prompt chunk beside the plain decode row, which
+    catches the draft up before its packed draft pass) then a round, the draft's KV at every committed position
+    and its h_last are those of a runner that catches up after every plain step (lag_max 1: each plain step's
+    catch-up row alone, as the per-step path ran it), to fp32 rounding (a GEMM of L rows vs one: ~1e-6); both
+    give AR's tokens, the rounds accept the same and leave the same MicroSpec window."""
+    schedule = [0] * 5 + [2] + [0] * 20 + [2] * 3
+    runs = []
+    for lazy in (True, False):
+        llm = LLM(engine_dir, "microspec", device="cpu", max_batch=2, **SPEC)
+        sched = llm.scheduler()
+        runner = sched.runner
+        lag_max = runner.lag_max
+        assert lag_max == min(LAG, runner.reserve) == 10  # this tree's reserve
+        if not lazy:
+            runner.lag_max = 1
+        steps = list(schedule)
+        runner.policy.choose = lambda reqs, rows: steps.pop(0)
+        req = sched.add(llm.prompt_ids(CASES[0][0]), 200)
+        seen, lags, mixed = [], [], []
+        while steps and not req.done:
+            if len(lags) == 9:  # (the prompt's step, 5 plain, a round) 2 plain steps after the round
+                sched.add(llm.prompt_ids(CASES[1][0]), 4)
+            before = runner.lags[req.slot]
+            sched.step()
+            if req.prefilling:
+                continue
+            lags.append(runner.lags[req.slot])
+            if sched.history[-1].chunks and sched.history[-1].decodes:
+                mixed.append((before, lags[-1]))
+            if sched.history[-1].tree > 1:  # after a round: the committed draft KV and h_last
+                cols = physical(runner.table[req.slot:req.slot + 1], torch.arange(req.n)[None])[0]
+                c = runner.dcache
+                seen.append((req.n, c.k[:, :, cols].clone(), c.v[:, :, cols].clone(), c.pos[cols].clone(),
+                             runner.h_last[req.slot].clone(), list(req.out), runner.vocab.id_of[req.slot].clone()))
+        assert not steps, "the request ended before the schedule did"
+        runs.append((seen, lags))
+        assert mixed == [(2 if lazy else 1, 0)]  # the mixed step caught the draft up, its own row in the packed pass
+    (lazy, lazy_lags), (eager, eager_lags) = runs
+    assert max(lazy_lags) == lag_max and max(eager_lags) == 1  # the lazy runner's buffer filled; the other's never
+    assert len(lazy) == len(eager) == 4
+    for a, b in zip(lazy, eager):
+        assert a[0] == b[0] and a[5] == b[5]  # the same tokens, the same acceptance
+        assert torch.equal(a[6], b[6])  # the same window: the plain steps' verified ids joined it in order
+        for x, y in zip(a[1:5], b[1:5]):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)  # fp32 rounding: a pass of L rows vs 1
+    ar = LLM(engine_dir, "ar", device="cpu")
+    out = lazy[-1][5]
+    assert out == ar.generate(CASES[0][0], len(out)).token_ids

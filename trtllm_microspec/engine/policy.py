@@ -1,11 +1,11 @@
 """The speculation policy of the batched engine: each step, how many tree tokens speculation gets.
 
 A speculative round pays for its tree (the draft's depth + 1 head calls and total_tokens target rows per request)
-and returns the tokens its requests accept; a plain step (shape 0: the root alone, one target row per request and
-the draft's catch-up row) returns one token per request. Which pays depends on the step: on a GPU a 60-token tree
-at 1 request costs little more than a decode step (the step is bound by reading the weights), at 64 requests it is
-compute-bound and costs many. So the policy picks, every step, the shape among `shapes` that maximises the batch's
-expected tokens per second,
+and returns the tokens its requests accept; a plain step (shape 0: AR's step, one target row per request; the draft
+catches up on the plain steps' rows at the request's next round, SpecRunner's lag buffer) returns one token per
+request. Which pays depends on the step: on a GPU a 60-token tree at 1 request costs little more than a decode
+step (the step is bound by reading the weights), at 64 requests it is compute-bound and costs many. So the policy
+picks, every step, the shape among `shapes` that maximises the batch's expected tokens per second,
 
     goodput(s) = sum over the step's requests r of E_s(r)  /  cost(s, rows bucket),
 

@@ -45,6 +45,9 @@ DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / G
 # 8k-16k); on the CPU a smaller pass keeps the running requests' inter-token latency bounded
 DEFAULT_MAX_NUM_TOKENS = {"cuda": 8192, "cpu": 1024}
 PREFILL_CHUNK = 512  # prompt rows per LM-head call when collecting top-K_pre (never [L x V] at once)
+# SpecRunner: plain steps a request may run before its draft catches up (its lag buffer's rows); catch-up passes are
+# padded to a power of two <= LAG, so a round has at most log2(LAG) + 2 variants (graphs)
+LAG = 16
 
 
 def round_reserve(tree: TreeConfig | None) -> int:
@@ -256,13 +259,18 @@ class BatchRunner:
     def positions(self, slots: torch.Tensor) -> torch.Tensor:
         return slots.flatten().clamp(max=self.target.cfg.max_seq_len - 1)  # a padding row may pass the rotary table
 
-    def prepare(self, reqs: list, rows: int) -> tuple[int, str]:
-        """The host side of a step: each request's (last token, committed length, batch slot) into the persistent
-        input buffer, `rows` - len(reqs) padding rows after them. Returns the KV span S (a bucket under CUDA
-        graphs) and the sampling mode: with the row count, what a step's graph is keyed by."""
+    def prepare(self, reqs: list, rows: int, extra: list[list[int]] = ()) -> tuple[int, str]:
+        """The host side of a step: each request's (last token, committed length, batch slot, then each list of
+        `extra`) into the persistent input buffer, `rows` - len(reqs) padding rows after them (0 in `extra`'s
+        rows). Returns the KV span S (a bucket under CUDA graphs) and the sampling mode: with the row count, what
+        a step's graph is keyed by."""
         pad = rows - len(reqs)
-        self.inp[:, :rows].copy_(longs([r.last for r in reqs] + [0] * pad + [r.n for r in reqs] + [0] * pad +
-                                       [r.slot for r in reqs] + [self.pad] * pad).view(3, rows))
+        vals = [r.last for r in reqs] + [0] * pad + [r.n for r in reqs] + [0] * pad + \
+            [r.slot for r in reqs] + [self.pad] * pad
+        for e in extra:
+            vals += e + [0] * pad
+        k = 3 + len(extra)
+        self.inp[:k, :rows].copy_(longs(vals).view(k, rows))
         S = max(r.n for r in reqs) + self.reserve
         if self.graphs:
             S = bucket_for(S, self.target.cfg.max_seq_len)
@@ -288,11 +296,15 @@ class BatchRunner:
             r.last = tok
         return [[tok] for tok in out]
 
-    def _decode(self, Bb: int, S: int, mode: str) -> None:
+    def _decode(self, Bb: int, S: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The AR step (each row's token into self.next) -> the target's hidden [Bb, d] and logits [Bb, V]: a
+        speculative runner's plain step is this step and what it keeps of them for its draft (SpecRunner._plain)."""
         tok, n, slot = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
         span = Span(n, self.one.expand(Bb, 1, 1), S, self.table.index_select(0, slot))
         h = self.target(tok, n, n, span, cache=self.cache)
-        self.next[:Bb].copy_(self.sampler.choose(self.target.logits(h), slot, n + 1, mode))
+        logits = self.target.logits(h)
+        self.next[:Bb].copy_(self.sampler.choose(logits, slot, n + 1, mode))
+        return h, logits
 
 
 class SpecRunner(BatchRunner):
@@ -301,9 +313,10 @@ class SpecRunner(BatchRunner):
     vocabulary, one target pass verifies all trees, acceptance and KV compaction per request. make_vocab's
     vocabulary becomes the batch's (vocab/batched.py): shared full/static rows, or a MicroSpec window (ring, counts,
     active ids, packed head rows) per batch slot, reset when a request joins. Each step runs the shape the
-    speculation policy picks (engine/policy.py): a tree, or plain rows (the root alone, the window and the draft
-    carried on). A decode-only step is one device step with no host read but the one of its results, captured in a
-    CUDA graph per (shape, rows bucket, head slots bucket, span bucket, sampling mode); padding rows leave every
+    speculation policy picks (engine/policy.py): a tree, or plain rows (AR's step; the window's ids deferred, the
+    draft's rows kept in a lag buffer for the request's next round). A decode-only step is one device step with no
+    host read but the one of its results, captured in a CUDA graph per (shape, rows bucket, head slots bucket, span
+    bucket, sampling mode, catch-up rows bucket); padding rows leave every
     window as it is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
     `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)` (its input feature from
     the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and `draft.head_in(h)` (the
@@ -337,12 +350,33 @@ class SpecRunner(BatchRunner):
                 self.vocab.reset(s)
         self.h_last = torch.zeros(max_batch + 1, draft.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
         self.steps = torch.arange(tree.max_path, device=dev)
+        self.steps_lag = torch.arange(LAG, device=dev)
         self.topk_pre: dict[int, list[torch.Tensor]] = {}  # batch slot -> its prompt chunks' top-K_pre so far
         # only a MicroSpec window that starts from its prompt reads top-K_pre: the others skip the LM head over
         # every prompt row (shared rows: eagle, frspec; ext-only starts from the first token's top-K_ver)
         self.window_pre = isinstance(self.vocab, BatchWindow) and self.vocab.use_prompt
         # what the host reads after a round, per row: accepted k, vocabulary size, covered, emitted tokens
         self.out = torch.zeros(max_batch, 3 + tree.max_path, dtype=torch.long, device=dev)
+        # The lazy draft: a plain decode-only step is AR's step (BatchRunner._decode) and leaves the draft alone; it
+        # keeps, per batch slot, the target's feature of its row and the token it emitted (the draft's input of the
+        # catch-up row the step would have run) in a lag buffer, at the row's index `lag`. A request's next round
+        # (or a plain step that finds some buffer full, or a mixed step) first runs the draft over its pending rows
+        # in one causal pass (`_catch_up`): the draft's KV at those positions and h_last as the per-step catch-up
+        # makes them. LAG <= reserve: a catch-up's padding rows (past a row's lag) write draft KV slots at most
+        # `reserve` past the committed length, which the round overwrites before reading (as a tree's expansions).
+        self.lag_max = max(1, min(LAG, self.reserve))
+        taps = getattr(draft, "taps", None)  # EAGLE-3: its features are the target's tapped layers, side by side
+        fdim = target.cfg.hidden_size * (len(taps) if taps else 1)
+        self.lag_feat = torch.zeros(max_batch + 1, self.lag_max, fdim, dtype=self.cache.k.dtype, device=dev)
+        self.lag_tok = torch.zeros(max_batch + 1, self.lag_max, dtype=torch.long, device=dev)
+        # and the step's verified top-K_ver ids, which join the window's deferred ids (vocab.defer) at the catch-up
+        self.lag_ver = torch.full((max_batch + 1, self.lag_max, k_ver), -1, dtype=torch.long, device=dev)
+        self.lags = [0] * (max_batch + 1)  # per batch slot on the host: its pending rows (the device reads inp[3])
+        self.inp = torch.zeros(4, max_batch, dtype=torch.long, device=dev)  # BatchRunner's rows, then each lag
+
+    def join(self, req, blocks: list[int]) -> None:
+        super().join(req, blocks)
+        self.lags[req.slot] = 0
 
     def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
         """Without chunks, the (graph-captured) round of the planned shape. With chunks, one packed target pass and
@@ -366,6 +400,8 @@ class SpecRunner(BatchRunner):
         verified, its token from the position-keyed sampler, the target's top-K_ver deferred to the request's next
         round. A request's window starts once its whole prompt is in, from its prompt and its top-K_pre, as alone."""
         t, d = self.target, self.draft
+        if decodes and max(self.lags[r.slot] for r in decodes):  # the draft over each decode's pending rows first
+            self.catch_up(decodes)
         nxt = []
         for req, c in chunks:
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
@@ -414,17 +450,27 @@ class SpecRunner(BatchRunner):
 
     def decode(self, reqs: list) -> list[list[int]]:
         """One step for the batch in the planned shape: a draft / verify / update round, or plain decode rows
-        (the root alone: verified, the window and the draft's state carried on as after a round)."""
+        (AR's step, the draft's catch-up rows kept for the next round: `_plain`)."""
         B = len(reqs)
         Bb = batch_bucket(B, self.max_batch)
         shape = parallel.agree(self.policy.choose(reqs, Bb), self.device) if self.planned is None else self.planned
         self.planned = None
+        plain = self.shapes[shape] is None
         # the batched draft head multiplies slots 0 .. top-1 in place (vocab/batched.py): top covers every slot
-        top = batch_bucket(max(r.slot for r in reqs) + 1, self.max_batch)
+        top = 1 if plain else batch_bucket(max(r.slot for r in reqs) + 1, self.max_batch)
+        lags = [self.lags[r.slot] for r in reqs]
+        # the catch-up's rows: a round's, its requests' pending ones; a plain step's, none unless a buffer is full
+        L = max(lags) if not plain or max(lags) == self.lag_max else 0
+        Lb = 0 if L == 0 else min(batch_bucket(L, self.lag_max), self.lag_max)
         t0 = time.perf_counter()
-        S, mode = self.prepare(reqs, Bb)
-        self.launch((shape, Bb, top, S, mode), lambda: self._round(shape, Bb, top, S, mode))
-        res = self.out[:B].tolist()  # the one host read per round
+        S, mode = self.prepare(reqs, Bb, [lags])
+        self.launch((shape, Bb, top, S, mode, Lb), lambda: self._round(shape, Bb, top, S, mode, Lb))
+        if plain:  # AR's step: its tokens alone
+            res = [[0, 0, 0, tok] for tok in self.next[:B].tolist()]  # the one host read per step
+        else:
+            res = self.out[:B].tolist()  # the one host read per round
+        for r in reqs:
+            self.lags[r.slot] = (1 if Lb else self.lags[r.slot] + 1) if plain else 0
         self.policy.observe(reqs, shape, Bb, [row[0] + 1 for row in res], time.perf_counter() - t0)
         size_of = self.shapes[shape].total_tokens if self.shapes[shape] else 1
         out = []
@@ -446,15 +492,17 @@ class SpecRunner(BatchRunner):
         """Seconds of one step of `shape` over Bb padding rows (the policy's cost calibration): the same launch,
         bucket and host read as a real step, on CUDA through its captured graph (captured here, so the first real
         step of the bucket replays it). Padding rows write only the pool's block 0 and change no window."""
-        self.inp[:, :Bb].copy_(torch.tensor([0, 0, self.pad], device=self.device)[:, None].expand(3, Bb))
+        self.inp[:, :Bb].copy_(torch.tensor([0, 0, self.pad, 0], device=self.device)[:, None].expand(4, Bb))
         S = bucket_for(self.reserve, self.target.cfg.max_seq_len) if self.graphs else self.reserve
         mode = self.sampler.mode([self.pad])
-        key = (shape, Bb, Bb, S, mode)
+        plain = self.shapes[shape] is None
+        top = 1 if plain else Bb
+        key = (shape, Bb, top, S, mode, 0)  # (a round with no pending rows: a catch-up costs the policy nothing yet)
         times = []
         for i in range(5 if self.graphs else 3):  # CUDA: eager, capture, then 3 timed replays; CPU: 1 warm-up
             t0 = time.perf_counter()
-            self.launch(key, lambda: self._round(shape, Bb, Bb, S, mode))
-            self.out[:1].tolist()
+            self.launch(key, lambda: self._round(shape, Bb, top, S, mode, 0))
+            (self.next if plain else self.out)[:1].tolist()
             times.append(time.perf_counter() - t0)
         return min(times[2 if self.graphs else 1:])
 
@@ -470,25 +518,70 @@ class SpecRunner(BatchRunner):
                 break
             Bb = batch_bucket(Bb + 1, self.max_batch)
 
-    def _round(self, shape: int, Bb: int, top: int, S: int, mode: str) -> None:
+    def catch_up(self, reqs: list) -> None:
+        """Eagerly, the draft over the pending rows of `reqs` (a mixed step's decodes, whose draft row runs in the
+        packed pass): their draft KV and h_last as after per-step catch-up rows; their lags back to 0."""
+        B = len(reqs)
+        S, _ = self.prepare(reqs, B, [[self.lags[r.slot] for r in reqs]])
+        L = max(self.lags[r.slot] for r in reqs)
+        slots = self.inp[2, :B]
+        self.h_last[slots] = self._catch_up(B, min(batch_bucket(L, self.lag_max), self.lag_max), S,
+                                            self.table.index_select(0, slots))
+        for r in reqs:
+            self.lags[r.slot] = 0
+
+    def _catch_up(self, Bb: int, Lb: int, S: int, table: torch.Tensor) -> torch.Tensor:
+        """One causal draft pass over every row's pending rows (inp[3] of them, padded to Lb): row i of a request
+        with lag L and committed length n is the plain step at position n - L + i, its token and the target's
+        feature there from the lag buffer. Returns each row's h_last (its last pending row's draft hidden; a row
+        with none pending keeps its own). Padding rows past a row's lag write draft KV at slots n .. n + Lb - L - 1,
+        which the round's draft overwrites before it reads them."""
+        n, slots, lag = self.inp[1, :Bb], self.inp[2, :Bb], self.inp[3, :Bb]
+        start = n - lag
+        pos = (start[:, None] + self.steps_lag[:Lb]).flatten()
+        tok = self.lag_tok.index_select(0, slots)[:, :Lb].flatten()
+        feat = self.lag_feat.index_select(0, slots)[:, :Lb].flatten(0, 1)
+        h = self.draft.hidden(tok, feat, pos, pos, Span(start, causal_mask(Lb, self.device).expand(Bb, Lb, Lb), S,
+                                                        table), cache=self.dcache).view(Bb, Lb, -1)
+        if self.vocab.takes_ids:  # the pending rows' verified ids, oldest first, to the window's deferred ones
+            pending = (self.steps_lag[None, :Lb] < lag[:, None]) & (slots != self.pad)[:, None]
+            ver = self.lag_ver.index_select(0, slots)[:, :Lb]
+            self.vocab.defer(slots, torch.where(pending[:, :, None], ver, -1).flatten(1))
+        last = h.gather(1, (lag - 1).clamp(min=0)[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
+        return torch.where((lag > 0)[:, None], last, self.h_last.index_select(0, slots))
+
+    def _plain(self, Bb: int, S: int, mode: str, Lb: int) -> None:
+        """A plain step: AR's step (its tokens into self.next), the draft skipped; each row's target feature, token
+        and verified top-K_ver ids (for its next round's window update) into its lag buffer at index lag (0 after
+        a catch-up of full buffers, Lb > 0)."""
+        slots, lag = self.inp[2, :Bb], self.inp[3, :Bb]
+        if Lb:
+            table = self.table.index_select(0, slots)
+            self.h_last[slots] = self._catch_up(Bb, Lb, S, table)
+            lag = self.steps[:1].expand(Bb)  # zero
+        h, logits = self._decode(Bb, S, mode)
+        self.lag_feat.index_put_((slots, lag), self.draft.features(h))
+        self.lag_tok.index_put_((slots, lag), self.next[:Bb])
+        if self.vocab.takes_ids:  # (under --tp: the top-K over the ranks' vocabulary slices)
+            self.lag_ver.index_put_((slots, lag), self.target.topk(logits, self.k_ver))
+
+    def _round(self, shape: int, Bb: int, top: int, S: int, mode: str, Lb: int) -> None:
+        if self.shapes[shape] is None:
+            return self._plain(Bb, S, mode, Lb)
         t, d, vocab, cfg, dev = self.target, self.draft, self.vocab, self.shapes[shape], self.device
         root, n, slots = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
         table = self.table.index_select(0, slots)
-        if cfg is None:  # plain rows: the root alone, a tree of one node
-            P = 1
-            zero = self.steps[:1].expand(Bb)[:, None]  # a view: no kernel
-            tree = Tree(tokens=root[:, None], parent=zero, depth=zero, anc=self.one.expand(Bb, 1, 1))
-        else:
-            P = cfg.max_path
-            temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
-            temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
+        P = cfg.max_path
+        temperature = self.sampler.draft_temperature(slots, mode)  # [Bb, 1]
+        temperature = None if temperature is None else temperature[:, None]  # over a row's [T, d] hidden
 
-            head = vocab.head_for(slots, top)  # each request through its own vocabulary, the batch in one GEMM
+        head = vocab.head_for(slots, top)  # each request through its own vocabulary, the batch in one GEMM
 
-            def heads(h, k):
-                return head(tempered(d.head_in(h), temperature), k)
+        def heads(h, k):
+            return head(tempered(d.head_in(h), temperature), k)
 
-            tree = draft_trees(d, self.dcache, heads, self.h_last[slots], root, n, table, S, cfg)
+        h_last = self._catch_up(Bb, Lb, S, table) if Lb else self.h_last[slots]
+        tree = draft_trees(d, self.dcache, heads, h_last, root, n, table, S, cfg)
         steps = self.steps[:P]
         hid, logits = verify(t, self.cache, tree, n, table, S)
         N, V = tree.tokens.shape[1], logits.shape[-1]
@@ -498,37 +591,26 @@ class SpecRunner(BatchRunner):
         if mode != "greedy":
             rows, pos = slots[:, None].expand(Bb, N).flatten(), (n[:, None] + 1 + tree.depth).flatten()
         choice = self.sampler.choose(logits.view(Bb * N, V), rows, pos, mode)
-        # the target's top-K_ver ids for the window (none for a shared vocabulary, nor ctx-only's frozen window);
-        # a padding row adds nothing to the padding slot's window
-        real = (slots != self.pad)[:, None] if vocab.takes_ids else None
-        if cfg is None:  # plain: the root's token; its verified ids wait for the request's next round
-            path = k = self.steps[:1].expand(Bb)  # zero
-            path, emitted = path[:, None], choice.view(Bb, 1)
-            size = covered = k
-            if real is not None:
-                ver = t.topk(logits[:, 0], self.k_ver)  # (under --tp: over the ranks' vocabulary slices)
-                vocab.defer(slots, torch.where(real, ver, -1))
-        else:
-            path, k, emitted = accept(tree, choice.view(Bb, N), P)
-            valid = steps[None, :] <= k[:, None]
-            size = vocab.size(slots)
-            covered = (vocab.contains(slots, emitted) & valid).sum(1)
-            # the accepted path's KV to the committed slots: the physical slots of n + path and n + steps at once
-            moved = physical(table, n[:, None] + torch.cat([path, steps.expand(Bb, P)], 1))
-            self.cache.move(moved[:, :P], moved[:, P:])  # [Bb, P] each: an index of any shape
-            if real is not None:
-                ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
-                ver = torch.where((valid & real)[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
-                # the gathers run on the copy stream, behind the draft forward
-                vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), ver)
+        path, k, emitted = accept(tree, choice.view(Bb, N), P)
+        valid = steps[None, :] <= k[:, None]
+        size = vocab.size(slots)
+        covered = (vocab.contains(slots, emitted) & valid).sum(1)
+        # the accepted path's KV to the committed slots: the physical slots of n + path and n + steps at once
+        moved = physical(table, n[:, None] + torch.cat([path, steps.expand(Bb, P)], 1))
+        self.cache.move(moved[:, :P], moved[:, P:])  # [Bb, P] each: an index of any shape
+        if vocab.takes_ids:
+            # the target's top-K_ver ids for the window (none for a shared vocabulary, nor ctx-only's frozen
+            # window); a padding row adds nothing to the padding slot's window
+            real = (slots != self.pad)[:, None]
+            ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
+            ver = torch.where((valid & real)[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
+            # the gathers run on the copy stream, behind the draft forward
+            vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), ver)
         feat = d.features(hid)  # [Bb, N, d] the target's hidden (EAGLE-2) or [Bb, N, 3 d] its layers (EAGLE-3)
-        if cfg is None:  # the root alone: its position n, its feature the only one
-            pos, hid_path = n, feat.flatten(0, 1)
-        else:
-            pos = (n[:, None] + steps).flatten()
-            hid_path = feat.gather(1, path[:, :, None].expand(Bb, P, feat.shape[-1])).flatten(0, 1)
+        pos = (n[:, None] + steps).flatten()
+        hid_path = feat.gather(1, path[:, :, None].expand(Bb, P, feat.shape[-1])).flatten(0, 1)
         h = d.hidden(emitted.flatten(), hid_path, pos, pos, Span(n, causal_mask(P, dev).expand(Bb, P, P), S, table),
                      cache=self.dcache).view(Bb, P, -1)
-        self.h_last[slots] = h[:, 0] if cfg is None else h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
+        self.h_last[slots] = h.gather(1, k[:, None, None].expand(Bb, 1, h.shape[-1]))[:, 0]
         vocab.join()
         self.out[:Bb, :3 + P].copy_(torch.cat([k[:, None], size[:, None], covered[:, None], emitted], 1))

@@ -47,7 +47,7 @@ class SharedVocab:
         pass
 
     def defer(self, batch: torch.Tensor, ver_ids: torch.Tensor) -> None:
-        pass
+        pass  # (never called: takes_ids is False)
 
     def join(self) -> None:
         pass
@@ -164,11 +164,12 @@ class BatchWindow:
         self._refill(batch)
 
     def defer(self, batch: torch.Tensor, ver_ids: torch.Tensor) -> None:
-        """A plain step's verified ids [B, m] (-1 = none) of every request, kept for its next round's update."""
+        """Plain steps' verified ids [B, m] (-1 = none) of every request, oldest first, kept for its next round's
+        update (the newest PENDING of them)."""
         if not self.use_rounds:
             return
-        m = ver_ids.shape[1]
-        self.pending.index_copy_(0, batch, torch.cat([self.pending.index_select(0, batch)[:, m:], ver_ids], 1))
+        keep = torch.cat([self.pending.index_select(0, batch), ver_ids], 1)[:, -self.pending.shape[1]:]
+        self.pending.index_copy_(0, batch, keep)
 
     def _refill(self, batch: torch.Tensor) -> None:
         """Each request's kept fill ids, from its window as it is now (padding rows repeat the padding slot: same
