@@ -251,9 +251,9 @@ def test_padding_rows(engine_dir, alone):
     pinned = v.id_of[runner.pad].clone()
     assert (pinned[:len(v.pinned)] == v.pinned).all() and (pinned[len(v.pinned):] == -1).all()
 
-    def spy(shape, Bb, top, S, mode):
+    def spy(shape, Bb, *rest):
         rows.append((Bb, int((runner.inp[2, :Bb] == runner.pad).sum())))
-        real_round(shape, Bb, top, S, mode)
+        real_round(shape, Bb, *rest)
 
     runner._round = spy
     reqs = [sched.add(llm.prompt_ids(p, c), m) for p, c, m in CASES[1:]]
