@@ -102,6 +102,7 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 class BatchRunner:
     grows = True  # blocks are appended as a request grows (and it may be preempted, then recomputed)
+    inputs = 3  # rows of the persistent input buffer `inp`: last token, committed length, batch slot
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
                  cuda_graphs: bool = False, draft_cfg: ModelConfig | None = None, reserve: int = 1,
@@ -133,7 +134,7 @@ class BatchRunner:
         self.free_slots = list(range(max_batch))
         self.joined: list[int] = []  # slots joined since the last map_blocks, their table rows to clear
         self.joined_blocks: list[tuple[int, int, int]] = []  # and the blocks they joined with (speculative)
-        self.inp = torch.zeros(3, max_batch, dtype=torch.long, device=dev)  # rows: last token, n, batch slot
+        self.inp = torch.zeros(self.inputs, max_batch, dtype=torch.long, device=dev)
         self.next = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.one = causal(1, dev)[None]
         self.sampler = Sampler(target.argmax, dev, max_batch + 1)  # a row per batch slot and the padding slot (greedy)
@@ -327,6 +328,7 @@ class SpecRunner(BatchRunner):
     recomputed token for token after a preemption, so none is preempted."""
 
     grows = False
+    inputs = 4  # BatchRunner's rows, then each row's lag (its pending plain steps)
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False,
@@ -372,7 +374,6 @@ class SpecRunner(BatchRunner):
         # and the step's verified top-K_ver ids, which join the window's deferred ids (vocab.defer) at the catch-up
         self.lag_ver = torch.full((max_batch + 1, self.lag_max, k_ver), -1, dtype=torch.long, device=dev)
         self.lags = [0] * (max_batch + 1)  # per batch slot on the host: its pending rows (the device reads inp[3])
-        self.inp = torch.zeros(4, max_batch, dtype=torch.long, device=dev)  # BatchRunner's rows, then each lag
 
     def join(self, req, blocks: list[int]) -> None:
         super().join(req, blocks)
