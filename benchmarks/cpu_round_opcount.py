@@ -48,8 +48,16 @@ def count(fn) -> tuple[int, collections.Counter]:
     """Runs fn once under the profiler -> (total ops, Counter of (label, op))."""
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    events = [e for e in prof.events() if e.name.startswith(("aten::", "microspec::"))]
-    inside = set()  # ops called by another op (an aten composite, a custom op's torch body)
+    ops = top_ops(prof, ("aten::", "microspec::"), "(unlabelled)")
+    return sum(ops.values()), ops
+
+
+def top_ops(prof, prefixes: tuple[str, ...], unlabelled: str, noop=NOOP_UNLESS_COPY) -> collections.Counter:
+    """Counter of (label, op) of the profiled top-level ops named with `prefixes`: none called by another op (an
+    aten composite, a custom op's torch body), no views, no `noop` op that copied nothing; label = the innermost
+    record_function around it (`unlabelled` where none is)."""
+    events = [e for e in prof.events() if e.name.startswith(prefixes)]
+    inside = set()
     for e in events:
         stack = list(e.cpu_children)
         while stack:
@@ -58,16 +66,16 @@ def count(fn) -> tuple[int, collections.Counter]:
             stack.extend(c.cpu_children)
     ops = collections.Counter()
     for e in events:
-        if id(e) in inside or e.name in VIEWS or e.name in NOOP_UNLESS_COPY and not e.cpu_children:
+        if id(e) in inside or e.name in VIEWS or e.name in noop and not e.cpu_children:
             continue
-        p, label = e.cpu_parent, "(unlabelled)"
+        p, label = e.cpu_parent, unlabelled
         while p is not None:
-            if not p.name.startswith(("aten::", "microspec::")) and not p.name.startswith("ProfilerStep"):
+            if not p.name.startswith(prefixes) and not p.name.startswith("ProfilerStep"):
                 label = p.name
                 break
             p = p.cpu_parent
         ops[label, e.name] += 1
-    return sum(ops.values()), ops
+    return ops
 
 
 def report(title: str, fn, top: int = int(os.environ.get("TOP", 6)), setup=None) -> None:

@@ -34,14 +34,10 @@ from trtllm_microspec.engine import scheduler as sched_mod
 from trtllm_microspec.models.model import ModelConfig, Transformer
 from trtllm_microspec.speculative import sampling
 
-VIEWS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::transpose",
-         "aten::permute", "aten::t", "aten::slice", "aten::select", "aten::narrow", "aten::chunk", "aten::split",
-         "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::as_strided", "aten::detach", "aten::alias",
-         "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::lift_fresh", "aten::contiguous",
-         "aten::resolve_conj", "aten::resolve_neg", "aten::result_type", "aten::unbind", "aten::split_with_sizes",
-         "aten::expand_as", "aten::view_as", "aten::unflatten", "aten::flatten", "aten::new_empty",
-         "aten::new_empty_strided", "aten::numpy_T", "aten::detach_", "aten::set_"}
-NOOP_UNLESS_COPY = {"aten::to", "aten::type_as", "aten::contiguous", "aten::_to_copy"}
+from cpu_round_opcount import NOOP_UNLESS_COPY as OPCOUNT_NOOP, top_ops  # benchmarks/ is on sys.path
+
+# the op classification of the round counts, and aten::to's copy itself
+NOOP_UNLESS_COPY = OPCOUNT_NOOP | {"aten::_to_copy"}
 SYNCS = {"aten::item", "aten::_local_scalar_dense"}  # a device -> host read when on a device tensor
 
 
@@ -164,26 +160,10 @@ def ops_per_step(load: Load, steps: int) -> tuple[collections.Counter, collectio
         for _ in range(steps):
             load.step()
     mixed = sum(bool(r.chunks) for r in list(s.history)[before:])
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
-    inside = set()
-    for e in events:
-        stack = list(e.cpu_children)
-        while stack:
-            c = stack.pop()
-            inside.add(id(c))
-            stack.extend(c.cpu_children)
     by_phase, by_name = collections.Counter(), collections.Counter()
-    for e in events:
-        if id(e) in inside or e.name in VIEWS or e.name in NOOP_UNLESS_COPY and not e.cpu_children:
-            continue
-        p, label = e.cpu_parent, "(other)"
-        while p is not None:
-            if not p.name.startswith("aten::"):
-                label = p.name
-                break
-            p = p.cpu_parent
-        by_phase[label] += 1
-        by_name[e.name] += 1
+    for (label, name), c in top_ops(prof, ("aten::",), "(other)", NOOP_UNLESS_COPY).items():
+        by_phase[label] += c
+        by_name[name] += c
     return by_phase, by_name, mixed
 
 
