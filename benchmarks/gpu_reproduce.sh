@@ -16,7 +16,8 @@
 #              GB/s and % of 4.8 TB/s; the add + RMSNorm fold vs unfused, and one decoder layer with the fold off
 #              vs the default (launches counted). No engine needed.
 #   lossless   every method vs AR with a random head, fp32 (logic: token for token) and bf16, alone and batched
-#              (the batched engine's CUDA graphs, padding rows included)
+#              (the batched engine's CUDA graphs, padding rows included), every step a round (--spec-policy fixed:
+#              under auto a random head is decoded plainly)
 #   eagle3-lossless  the same with a random EAGLE-3 head (its own LM head over 16k random ids, d2t): ar, eagle,
 #              frspec (= its own vocabulary), microspec, fp32 and bf16, alone and batched (~3 min on an H200)
 #   train      train an EAGLE head for KEY into $HEAD (the recipe in <= TRAIN_LIMIT s wall: distilling, caching and
@@ -124,7 +125,8 @@ save_draft(EagleDraft(draft_config(ModelConfig.load(engine / "config.json")), bi
 EOF
       for dt in float32 bfloat16; do
         ms bench --engine "$KEY" --draft "$OUT/random_head" --dtype $dt --methods ar,eagle,microspec --limit 1 \
-          --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/lossless_$dt" 2>&1 | grep "mismatches"
+          --max-new-tokens 128 --warmup 1 --concurrency 1,4 --spec-policy fixed --out "$OUT/lossless_$dt" 2>&1 \
+          | grep "mismatches"
         grep -A9 "in-flight batching" "$OUT/lossless_$dt/results.md" | tail -6
       done ;;
     eagle3-lossless)
@@ -132,7 +134,8 @@ EOF
 random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/random_eagle3"
       for dt in float32 bfloat16; do
         ms bench --engine "$KEY" --draft "$OUT/random_eagle3" --dtype $dt --methods ar,eagle,frspec,microspec --limit 1 \
-          --max-new-tokens 128 --warmup 1 --concurrency 1,4 --out "$OUT/eagle3_lossless_$dt" 2>&1 | grep "mismatches"
+          --max-new-tokens 128 --warmup 1 --concurrency 1,4 --spec-policy fixed --out "$OUT/eagle3_lossless_$dt" \
+          2>&1 | grep "mismatches"
         grep -A9 "in-flight batching" "$OUT/eagle3_lossless_$dt/results.md" | tail -6
       done ;;
     train)

@@ -6,7 +6,6 @@ the data from measured rates, and --eval prints acceptance lengths."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -63,6 +62,24 @@ def test_pack_rows():
     assert a.valid(1).tolist() == [True, False, False, True, True, False, False, False]
     assert not b.valid(0)[4:].any()  # no loss reads into the padding
     assert a.n == 4 and b.n == 4 and (a.real, b.real) == (7, 5)
+
+
+def test_feature_store_holds_the_rows_features(engine_dir, convs):
+    """Features cached into one FeatureStore equal those cached row by row, and are views of its buffers (one
+    allocation); rows past its size keep their own tensors. EAGLE-3's tapped layers go the same way."""
+    target, tok = load_target(engine_dir, CPU, torch.float32, max_seq_len=ROW)
+    target.taps = (1, 2, 3)
+    rows = pack(tokenize(tok, convs[:6], ROW, "test"), ROW, CPU)[:3]
+    alone = pack(tokenize(tok, convs[:6], ROW, "test"), ROW, CPU)[:3]
+    store = train_draft.FeatureStore(2)
+    assert len(target_features(target, rows, "test", store=store)) == 3
+    target_features(target, alone, "test")
+    for i, (p, q) in enumerate(zip(rows, alone)):
+        assert torch.equal(p.feats, q.feats) and torch.equal(p.aux, q.aux) and p.aux.shape[-1] == 3 * p.feats.shape[-1]
+        inside = i < 2
+        assert (p.feats.untyped_storage().data_ptr() == store.bufs[0].untyped_storage().data_ptr()) == inside
+        assert (p.aux.untyped_storage().data_ptr() == store.bufs[1].untyped_storage().data_ptr()) == inside
+    assert store.used == 2 and store.bufs[0].shape == (2, *rows[0].feats.shape)
 
 
 def test_heldout_loss_goes_down(trained):
@@ -195,7 +212,6 @@ def test_resume_matches_uninterrupted_run(engine_dir, convs, trained, tmp_path, 
 
 def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_draft, "EVAL_CATEGORIES", ("qa",))  # one short prompt: the CPU is slow
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "6",
           "--max-len", "64", "--steps", "1", "--batch-tokens", "64", "--ttt-steps", "1", "--device", "cpu",
           "--save-every", "0", "--eval", "--eval-tokens", "8"])
@@ -203,4 +219,3 @@ def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
     assert r["steps"] == 1 and len(r["heldout_acc"]) == EVAL_DEPTHS
     assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no checkpoint
     assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # the features' allocator (CUDA)

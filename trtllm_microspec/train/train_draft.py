@@ -64,7 +64,6 @@ import functools
 import gc
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -215,10 +214,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class FeatureStore:
+    """Device memory for the cached features of up to `rows` rows, taken in one allocation per tensor at the first
+    row: thousands of row-sized tensors, each allocated between one forward's temporaries, left the caching
+    allocator's segments in pieces (an EAGLE-3 recipe run on the H200 ran out of memory with 41 GiB reserved but
+    unused). Rows past `rows` keep their own tensors."""
+
+    def __init__(self, rows: int):
+        self.rows, self.used, self.bufs = rows, 0, None
+
+    def keep(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.used >= self.rows:
+            return ts
+        if self.bufs is None:
+            self.bufs = [torch.empty((self.rows, *t.shape), dtype=t.dtype, device=t.device) for t in ts]
+        self.used += 1
+        return tuple(b[self.used - 1].copy_(t) for b, t in zip(self.bufs, ts))
+
+
 @torch.no_grad()  # not inference_mode: the cached features are later inputs of autograd graphs
-def target_features(target: Transformer, packs: list[Pack], desc: str, until: float = math.inf) -> list[Pack]:
-    """Caches each row's target features, in order, until the clock passes `until` (one row at least); returns the
-    rows cached. Rows already cached (the plan's probe rows) are kept as they are."""
+def target_features(target: Transformer, packs: list[Pack], desc: str, until: float = math.inf,
+                    store: FeatureStore | None = None) -> list[Pack]:
+    """Caches each row's target features (into `store` when given), in order, until the clock passes `until` (one
+    row at least); returns the rows cached. Rows already cached (the plan's probe rows) are kept as they are."""
     bar = tqdm(total=sum(p.real for p in packs), desc=f"target features ({desc})", unit="tok",
                unit_scale=True, dynamic_ncols=True)
     done = 0
@@ -230,6 +248,8 @@ def target_features(target: Transformer, packs: list[Pack], desc: str, until: fl
         slots = torch.arange(T, device=p.tokens.device)
         p.feats = target(p.tokens, p.positions, slots, Span(_zero(slots.device), p.mask, T))
         p.aux = target.tapped if target.taps else None
+        if store is not None:
+            p.feats, p.aux = store.keep(p.feats, p.aux) if p.aux is not None else (*store.keep(p.feats), None)
         bar.update(p.real)
         if perf_counter() > until:
             break
@@ -627,7 +647,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
               f"{keep} of {len(train_packs)} rows ({what}), >= {epochs:g} epochs", file=sys.stderr)
     else:
         keep = len(train_packs)
-    fits = len(train_packs)
+    fits, store = len(train_packs), None
     if dev.type == "cuda" and not resume:  # the features stay on the device: as many rows as its memory holds
         have = sum(p.feats is not None for p in train_packs)  # the probe rows, on the device already
         free = torch.cuda.mem_get_info(dev)[0] - FEATURE_RESERVE
@@ -637,10 +657,11 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
             print(f"[train-draft] device memory holds the features of {fits} of the {keep} planned rows",
                   file=sys.stderr)
             keep = fits
+        store = FeatureStore(fits - have)
     planned = sum(p.real for p in train_packs[:keep] if p.feats is None)
     until = perf_counter() + CACHE_SLACK * planned / cache_rate if time_limit is not None and not resume else math.inf
     t_cache = perf_counter()
-    cached = target_features(target, train_packs[:keep], "train", until)
+    cached = target_features(target, train_packs[:keep], "train", until, store)
     took = perf_counter() - t_cache
     if time_limit is not None and not resume and len(cached) == keep < fits and took >= 1.0:
         # the plan's caching rate was timed on a few rows: re-plan from the planned rows' own rate, and cache the
@@ -652,7 +673,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
             extra = sum(p.real for p in train_packs[keep:keep + more])
             print(f"[train-draft] re-plan: caching ran at {measured:,.0f} tok/s: {more} more rows", file=sys.stderr)
             cached += target_features(target, train_packs[keep:keep + more], "train",
-                                      perf_counter() + CACHE_SLACK * extra / measured)
+                                      perf_counter() + CACHE_SLACK * extra / measured, store)
     train_packs = cached
 
     total = steps or math.ceil(epochs * len(train_packs) / per_step)
@@ -746,10 +767,6 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
 
 
 def cmd_train_draft(a) -> None:
-    # before CUDA's allocator starts: the cached features are thousands of row-sized tensors allocated after the
-    # distilling engine freed its KV pool and graphs; in fixed segments that memory stayed reserved in pieces and
-    # an EAGLE-3 recipe run ran out of device memory with 41 GiB reserved but unused (H200). A user's setting stays.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if a.eval and a.eval_tokens < 1:
         raise UserError("--eval-tokens must be at least 1")
     methods = tuple(m for m in a.eval_methods.split(",") if m)
