@@ -144,6 +144,8 @@ def act_mul(gate_up, gelu):
     return out
 
 
+# attention's key loop, shared by _attn_kernel (a Span: decode, tree, draft rows; KV splits) and _varlen_kernel (a
+# packed causal pass): a key block's scores, then one online-softmax step; each kernel builds only its own mask
 @triton.jit
 def _key_block(q, kbase, bt_row, s0, stop, dims, stride_ks, scale, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                IEEE: tl.constexpr):
