@@ -144,6 +144,39 @@ def act_mul(gate_up, gelu):
     return out
 
 
+# attention's key loop, shared by _attn_kernel (a Span: decode, tree, draft rows; KV splits) and _varlen_kernel (a
+# packed causal pass): a key block's scores, then one online-softmax step; each kernel builds only its own mask
+@triton.jit
+def _key_block(q, kbase, bt_row, s0, stop, dims, stride_ks, scale, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+               IEEE: tl.constexpr):
+    """Logical key slots cols = s0 .. s0 + BLOCK_N - 1 of one sequence (col_ok: < stop), their physical slots in
+    the paged pool (phys = bt_row[s // PAGE] * PAGE + s % PAGE, bt_row its block-table row) and the scores
+    q k^T * scale [BLOCK_M, BLOCK_N] -> (cols, col_ok, phys, qk). IEEE (fp32): exact products, not TF32."""
+    cols = s0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < stop
+    page = tl.load(bt_row + cols // PAGE, mask=col_ok, other=0)
+    phys = page * PAGE + cols % PAGE
+    k = tl.load(kbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None) * scale
+    return cols, col_ok, phys, qk
+
+
+@triton.jit
+def _softmax_step(qk, vis, m_i, l_i, acc, vbase, phys, col_ok, dims, stride_ks, IEEE: tl.constexpr):
+    """Flash attention's online softmax over one key block: the scores qk masked to vis, the running max m_i and
+    sum l_i and the unnormalised output acc [BLOCK_M, D] (fp32) rescaled to the new max, the block's values (rows
+    phys of the pool) added -> (m_i, l_i, acc)."""
+    qk = tl.where(vis, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: p = alpha = 0, not NaN
+    p = tl.exp(qk - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
+    return m_new, l_i, acc
+
+
 # the per-pass ints (rows, spans, splits, the strides of per-pass tensors) are not specialised: Triton compiles a
 # variant per (== 1, % 16) pattern of each specialised int, and under continuous joins new patterns keep appearing
 @triton.jit(do_not_specialize=["T", "m", "stride_new_b", "stride_new", "stride_qpos", "stride_bt", "S", "split_len",
@@ -178,17 +211,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     kbase = k_ptr + kvh * stride_kh
     vbase = v_ptr + kvh * stride_kh
+    bt_row = bt_ptr + b * stride_bt
     new_row = new_ptr + b * stride_new_b + t[:, None] * stride_new
     for s0 in range(start, stop, BLOCK_N):
-        cols = s0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < stop
-        page = tl.load(bt_ptr + b * stride_bt + cols // PAGE, mask=col_ok, other=0)
-        phys = page * PAGE + cols % PAGE
-        k = tl.load(kbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            qk = tl.dot(q, tl.trans(k)) * scale
+        cols, col_ok, phys, qk = _key_block(q, kbase, bt_row, s0, stop, dims, stride_ks, scale, BLOCK_N, PAGE, IEEE)
         j = cols - n
         is_new = (j >= 0) & col_ok
         flag = tl.load(new_row + j[None, :], mask=row_ok[:, None] & is_new[None, :], other=0)
@@ -196,18 +222,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr
         if WINDOW:
             kpos = tl.load(kpos_ptr + phys, mask=col_ok, other=0)
             vis = vis & ((qpos[:, None] - kpos[None, :]) < window)
-        qk = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(qk, vis, m_i, l_i, acc, vbase, phys, col_ok, dims, stride_ks, IEEE)
     out = (r * H + head)[:, None] * D + dims[None, :]
     rows_all = tl.num_programs(2) // n_splits * T  # B * T
     if SPLIT:  # unnormalised partials; the combine kernel merges the splits
@@ -316,32 +331,14 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, tiles
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     kbase = k_ptr + kvh * stride_kh
     vbase = v_ptr + kvh * stride_kh
+    bt_row = bt_ptr + seq * stride_bt
     for s0 in range(0, end, BLOCK_N):
-        cols = s0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < end
-        page = tl.load(bt_ptr + seq * stride_bt + cols // PAGE, mask=col_ok, other=0)
-        phys = page * PAGE + cols % PAGE
-        k = tl.load(kbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            qk = tl.dot(q, tl.trans(k)) * scale
+        cols, col_ok, phys, qk = _key_block(q, kbase, bt_row, s0, end, dims, stride_ks, scale, BLOCK_N, PAGE, IEEE)
         vis = (cols[None, :] < (n + t + 1)[:, None]) & row_ok[:, None]  # causal (implies cols < end)
         if WINDOW:
             kpos = tl.load(kpos_ptr + phys, mask=col_ok, other=0)
             vis = vis & ((qpos[:, None] - kpos[None, :]) < window)
-        qk = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vbase + phys[:, None] * stride_ks + dims[None, :], mask=col_ok[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(qk, vis, m_i, l_i, acc, vbase, phys, col_ok, dims, stride_ks, IEEE)
     out = (r * H + head)[:, None] * D + dims[None, :]
     tl.store(o_ptr + out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
