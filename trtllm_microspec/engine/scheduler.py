@@ -104,11 +104,25 @@ class StepRecord:
         return self.events[0].elapsed_time(self.events[1])
 
 
+@dataclass
+class Pending:
+    """A decode-only step launched and not yet read (overlap): its requests, their tokens' host copy and event."""
+    decodes: list[Request]
+    tokens: torch.Tensor
+    event: object  # torch.cuda.Event, None on the CPU
+    t_launch: float
+
+
 class Scheduler:
-    def __init__(self, runner, max_batch: int):
+    def __init__(self, runner, max_batch: int, overlap: bool | None = None):
+        """overlap: decode-only AR steps run one step ahead of their host read (see `step`); None: on CUDA."""
         if max_batch < 1:
             raise UserError(f"max_batch must be at least 1, got {max_batch}")
         self.runner, self.max_batch = runner, max_batch
+        if overlap is None:
+            overlap = runner.device.type == "cuda"
+        self.overlap = overlap and runner.overlaps
+        self.pending: Pending | None = None  # the overlapped step in flight
         self.max_seq_len = runner.target.cfg.max_seq_len
         self.blocks: BlockManager = runner.blocks
         self.stop_ids = set(runner.stop_ids)
@@ -182,6 +196,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Recompute: blocks and batch slot back; prefilled again later with its prompt and its emitted tokens."""
+        # (the step in flight has only decoding requests, whose emitted tokens a recompute needs: step drains it
+        # before a step that might preempt one; a prompt's chunk may preempt a later prompt meanwhile)
+        assert self.pending is None or req.prefilling, "a decoding request preempted while its step is in flight"
         self.running.remove(req)
         self.blocks.release(req.rid)
         self.runner.preempt(req)
@@ -255,21 +272,46 @@ class Scheduler:
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """One boundary and one step. Returns each request's newly emitted tokens (a finished request's last
-        ones included; `req.done` says it ended)."""
+        ones included; `req.done` says it ended).
+
+        With overlap, a decode-only step N + 1 is scheduled and launched before step N's tokens are read (SGLang's
+        overlap scheduler, vLLM's async scheduling): lengths are known without the tokens (one per running
+        request), and each row's input token is taken on the device from step N's output. Then the host waits for
+        step N's tokens (copied to pinned memory behind it) and emits them (EOS, max tokens, finish) while N + 1
+        runs: this call returns step N's tokens. A request that finished at step N already has a row in N + 1: that
+        token is dropped, its blocks go back once N is read (the GPU runs its steps in order, so a later owner's
+        writes come after). Steps that need the host's tokens drain the step in flight first and run as without
+        overlap: a step with prompt chunks (its packed inputs), a boundary with cancels (the request keeps the
+        token it had, as without overlap), and a step whose decodes might not get their blocks (fewer free than
+        running requests: a preemption recomputes from the emitted tokens)."""
         t0 = time.perf_counter()
+        emitted: list[tuple[Request, list[int]]] = []
+        if self.pending and (self._cancels or len(self.blocks.free) < len(self.running)):
+            emitted += self._drain()
         self._boundary()
         with self.lock:
             chunks, decodes, preempted = self._schedule()
+        if self.pending and chunks:
+            emitted += self._drain()
+            decodes = [r for r in decodes if not r.done]  # those that finished at the step drained
         rec = StepRecord(len(decodes), [c for _, c in chunks], len(decodes) * self.decode_rows +
                          sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting),
                          self.decode_rows if decodes else 0)
         rec.plan_s = time.perf_counter() - t0
-        emitted: list[tuple[Request, list[int]]] = []
-        if chunks or decodes:
-            events = None
-            if self.timing and self.runner.device.type == "cuda":
-                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                events[0].record()
+        if self.overlap and decodes and not chunks:
+            rec.events = self._events()
+            tokens, event = self.runner.decode_async(decodes)
+            if rec.events:
+                rec.events[1].record()
+            t1 = time.perf_counter()
+            emitted += self._drain()  # step N's tokens, while this one runs
+            for r in decodes:  # lengths advance now; the token is read with the next step
+                if not r.done:
+                    r.n += 1
+                    r.last = -1
+            self.pending = Pending(decodes, tokens, event, t1)
+        elif chunks or decodes:
+            events = self._events()
             t1 = time.perf_counter()
             firsts, decoded = self._run(chunks, decodes)  # its tokens read back: the pass is over
             now = time.perf_counter()  # when every token of this step was emitted
@@ -285,8 +327,37 @@ class Scheduler:
             for req, toks in zip(decodes, decoded):
                 req.stats.decode_s += dt
                 emitted.append((req, self._emit(req, toks, now)))
+        else:
+            emitted += self._drain()
         rec.step_s = time.perf_counter() - t0
         self.history.append(rec)
+        return emitted
+
+    def _events(self) -> tuple | None:
+        """CUDA events around a pass (timing on), the first recorded now."""
+        if not (self.timing and self.runner.device.type == "cuda"):
+            return None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        return events
+
+    def _drain(self) -> list[tuple[Request, list[int]]]:
+        """The step in flight's tokens read (waits for them) and emitted; a request that finished or left since it
+        was launched drops its token. Nothing in flight: nothing."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return []
+        if p.event is not None:
+            p.event.synchronize()
+        now = time.perf_counter()
+        dt = now - p.t_launch
+        emitted = []
+        for req, tok in zip(p.decodes, p.tokens.tolist()):
+            if req.done:  # finished at the step before: its extra row's token is not its
+                continue
+            req.last = tok
+            req.stats.decode_s += dt
+            emitted.append((req, self._emit(req, [tok], now)))
         return emitted
 
     def _run(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
