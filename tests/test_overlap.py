@@ -48,12 +48,11 @@ def drive(sched, reqs) -> dict:
     streaming order); returns each request's tokens as streamed."""
     streamed = {r.rid: [] for r in reqs}
     while not all(r.done for r in reqs):
-        step: dict = {}  # a step may emit a request twice: the drained step's token, then its own
-        for req, toks in sched.step():
-            step[req] = step.get(req, []) + toks
-            streamed[req.rid] += toks
-        for req, toks in step.items():
+        emitted = sched.step()
+        assert len({req for req, _ in emitted}) == len(emitted)  # a request once a step (serving ends on done)
+        for req, toks in emitted:
             assert not toks or req.out[-len(toks):] == toks
+            streamed[req.rid] += toks
     return streamed
 
 

@@ -285,14 +285,15 @@ class Scheduler:
         token it had, as without overlap), and a step whose decodes might not get their blocks (fewer free than
         running requests: a preemption recomputes from the emitted tokens)."""
         t0 = time.perf_counter()
-        emitted: list[tuple[Request, list[int]]] = []
+        drained: list[tuple[Request, list[int]]] = []  # the step in flight's tokens
+        emitted: list[tuple[Request, list[int]]] = []  # this step's (synchronous)
         if self.pending and (self._cancels or len(self.blocks.free) < len(self.running)):
-            emitted += self._drain()
+            drained += self._drain()
         self._boundary()
         with self.lock:
             chunks, decodes, preempted = self._schedule()
         if self.pending and chunks:
-            emitted += self._drain()
+            drained += self._drain()
             decodes = [r for r in decodes if not r.done]  # those that finished at the step drained
         rec = StepRecord(len(decodes), [c for _, c in chunks], len(decodes) * self.decode_rows +
                          sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting),
@@ -304,7 +305,7 @@ class Scheduler:
             if rec.events:
                 rec.events[1].record()
             t1 = time.perf_counter()
-            emitted += self._drain()  # step N's tokens, while this one runs
+            drained += self._drain()  # step N's tokens, while this one runs
             for r in decodes:  # lengths advance now; the token is read with the next step
                 if not r.done:
                     r.n += 1
@@ -328,10 +329,15 @@ class Scheduler:
                 req.stats.decode_s += dt
                 emitted.append((req, self._emit(req, toks, now)))
         else:
-            emitted += self._drain()
+            drained += self._drain()
         rec.step_s = time.perf_counter() - t0
         self.history.append(rec)
-        return emitted
+        if drained and emitted:  # one entry per request: a drained token, then its own step's
+            both: dict[Request, list[int]] = {}
+            for req, toks in drained + emitted:
+                both[req] = both.get(req, []) + toks
+            return list(both.items())
+        return drained or emitted
 
     def _events(self) -> tuple | None:
         """CUDA events around a pass (timing on), the first recorded now."""
