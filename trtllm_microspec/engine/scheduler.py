@@ -280,14 +280,14 @@ class Scheduler:
         step N's tokens (copied to pinned memory behind it) and emits them (EOS, max tokens, finish) while N + 1
         runs: this call returns step N's tokens. A request that finished at step N already has a row in N + 1: that
         token is dropped, its blocks go back once N is read (the GPU runs its steps in order, so a later owner's
-        writes come after). Steps that need the host's tokens drain the step in flight first and run as without
-        overlap: a step with prompt chunks (its packed inputs), a boundary with cancels (the request keeps the
-        token it had, as without overlap), and a step whose decodes might not get their blocks (fewer free than
-        running requests: a preemption recomputes from the emitted tokens)."""
+        writes come after); so is the token in flight of a request cancelled meanwhile (it keeps the tokens it was
+        given). Steps that need the host's tokens drain the step in flight first and run as without overlap: a
+        step with prompt chunks (its packed inputs) and a step whose decodes might not get their blocks (fewer free
+        than running requests: a preemption recomputes from the emitted tokens)."""
         t0 = time.perf_counter()
         drained: list[tuple[Request, list[int]]] = []  # the step in flight's tokens
         emitted: list[tuple[Request, list[int]]] = []  # this step's (synchronous)
-        if self.pending and (self._cancels or len(self.blocks.free) < len(self.running)):
+        if self.pending and len(self.blocks.free) < len(self.running):
             drained += self._drain()
         self._boundary()
         with self.lock:
