@@ -1,5 +1,6 @@
-"""The overlapped step (engine/scheduler.py `overlap`): a decode-only AR step is launched before the previous
-step's tokens are read, its input tokens taken on the device, and the host emits each step's tokens one step late.
+"""The overlapped step (engine/scheduler.py `overlap`): an AR step (prompt chunks and decode rows, or decode rows
+alone) is launched before the previous step's tokens are read, its decode rows' input tokens taken on the device,
+and the host emits each step's tokens one step late.
 On the CPU in fp32 with SmolLM2-135M: every request gets exactly the tokens it gets alone and with overlap off
 (greedy and seeded sampling), EOS / max-token / length finishes drop the extra row's token, streaming order holds,
 cancel and preemption drain the step in flight, and every block and batch slot comes back."""
@@ -27,19 +28,19 @@ def over(engine_dir):
 
 
 def counted(sched, monkeypatch) -> list[int]:
-    """[overlapped launches, synchronous decode-only steps] of the scheduler's runner."""
-    n = [0, 0]
-    runner, launch, decode = sched.runner, sched.runner.decode_async, sched.runner.decode
+    """[overlapped launches with prompt chunks, without, synchronous steps] of the scheduler's runner."""
+    n = [0, 0, 0]
+    runner, launch, step = sched.runner, sched.runner.step_async, sched.runner.step
 
-    def counting_launch(reqs):
-        n[0] += 1
-        return launch(reqs)
+    def counting_launch(chunks, decodes):
+        n[0 if chunks else 1] += 1
+        return launch(chunks, decodes)
 
-    def counting_decode(reqs):
-        n[1] += 1
-        return decode(reqs)
-    monkeypatch.setattr(runner, "decode_async", counting_launch)
-    monkeypatch.setattr(runner, "decode", counting_decode)
+    def counting_step(chunks, decodes):
+        n[2] += 1
+        return step(chunks, decodes)
+    monkeypatch.setattr(runner, "step_async", counting_launch)
+    monkeypatch.setattr(runner, "step", counting_step)
     return n
 
 
@@ -83,9 +84,9 @@ def test_overlap_equals_alone_and_sync(sync, over, monkeypatch):
             assert streamed[r.rid] == r.out  # each token streamed once, in order; no dropped row's token
             assert r.stats.new_tokens == len(r.out) and r.stats.stop_reason in ("eos", "max_tokens")
         if llm.overlap:
-            assert n[0] >= 20 and n[1] == 0, n  # every decode-only step overlapped
+            assert n[0] >= 5 and n[1] >= 20 and n[2] == 0, n  # every step overlapped, with chunks or not
         else:
-            assert n[0] == 0 and n[1] >= 20, n
+            assert n[:2] == [0, 0] and n[2] >= 25, n
         sched.step()
         check_pool(sched)
         assert sched.pending is None
@@ -124,7 +125,7 @@ def test_overlap_cancel(over, sync):
     while not all(r.done for r in reqs):
         sched.step()
         if len(victim.out) >= 5 and not victim.done:
-            assert sched.pending and victim in sched.pending.decodes  # its next token in flight
+            assert sched.pending and (victim, False) in sched.pending.rows  # its next token in flight
             sched.cancel(victim)
             given = list(victim.out)
     assert victim.stats.stop_reason == "cancelled" and victim.out == given and len(given) < 30
@@ -151,6 +152,6 @@ def test_overlap_preempted_equal_alone(engine_dir, sync, monkeypatch):
     drive(sched, reqs)
     assert [r.out for r in reqs] == want
     assert sum(rec.preempted for rec in sched.history) >= 3 and any(r.preemptions and r.resumed > 1 for r in reqs)
-    assert n[0] >= 10, n
+    assert n[0] >= 3 and n[1] >= 10 and n[2] == 0, n
     sched.step()
     check_pool(sched)

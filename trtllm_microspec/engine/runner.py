@@ -236,7 +236,9 @@ class BatchRunner:
         host = [longs(ids), torch.arange(P) + shift.repeat_interleave(lens_t), n_dec,
                 chunk_slot.repeat_interleave(lens_t), dec_slot, tail, *extra]
         tokens, pos, row_table, n_chunk, rows_d, slot_d, at_d, *extra_d = \
-            torch.cat(host).to(dev).split([P + D, P + D, P + D, B, R, R, R, *(x.numel() for x in extra)])
+            upload(torch.cat(host), dev).split([P + D, P + D, P + D, B, R, R, R, *(x.numel() for x in extra)])
+        if decodes:  # a decode whose last is -1 (overlap: sampled by the step in flight) takes the device's
+            tokens[P:] = torch.where(tokens[P:] >= 0, tokens[P:], self.last_dev.index_select(0, row_table[P:]))
         if max(lens) > self.tri.shape[0]:
             self.tri = causal(1 << (max(lens) - 1).bit_length(), dev)
         parts = [Span(n_chunk[b:b + 1], self.tri[None, :c, :c], starts[b] + c, self.table[req.slot:req.slot + 1])
@@ -311,20 +313,33 @@ class BatchRunner:
             r.last = tok
         return [[tok] for tok in out]
 
-    def decode_async(self, reqs: list) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The AR step launched, its tokens not read (Scheduler overlap): a request whose `last` is -1 (sampled
-        by the step still in flight) takes its input token from the device. Returns the tokens' host copy, queued
-        into pinned memory behind the step, and the event that says it has landed (None on the CPU: it has).
-        The requests are left as they are: the scheduler advances them."""
-        self._launch_decode(reqs)
-        tok = self.next[:len(reqs)]
+    def step_async(self, chunks: list[tuple], decodes: list) -> tuple[list[tuple], torch.Tensor, object]:
+        """`step` launched, its tokens not read (Scheduler overlap): a request whose `last` is -1 (sampled by the
+        step still in flight) takes its input token from the device (last_dev). Returns the sampled rows'
+        (request, True for a prompt's first token) in the tokens' order, the tokens' host copy queued into pinned
+        memory behind the pass, and the event that says it has landed (None on the CPU: it has). The requests are
+        left as they are: the scheduler advances them."""
+        if not chunks and not decodes:
+            return [], torch.zeros(0, dtype=torch.long), None
+        if not chunks:
+            self._launch_decode(decodes)
+            tok = self.next[:len(decodes)]
+            rows = [(r, False) for r in decodes]
+        else:
+            p = self.pack(chunks, decodes)
+            h = self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
+            tok = p.rows
+            if p.sample:
+                tok = self.sampler.choose(self.target.logits(h[p.rows]), p.slot, p.at, self.sampler.mode(p.sample))
+                self.last_dev.index_copy_(0, p.slot, tok)  # the next step's decode rows read them there
+            rows = [(chunks[b][0], True) for b in p.ends] + [(r, False) for r in decodes]
         if self.device.type != "cuda":
-            return tok.clone(), None
+            return rows, tok.clone(), None
         host = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True)
         host.copy_(tok, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return host, done
+        return rows, host, done
 
     def _decode(self, Bb: int, S: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The AR step (each row's token into self.next) -> the target's hidden [Bb, d] and logits [Bb, V]: a

@@ -106,8 +106,10 @@ class StepRecord:
 
 @dataclass
 class Pending:
-    """A decode-only step launched and not yet read (overlap): its requests, their tokens' host copy and event."""
-    decodes: list[Request]
+    """A step launched and not yet read (overlap): its chunks, its sampled rows' (request, a prompt's first token)
+    in order, their tokens' host copy and its event."""
+    chunks: list[tuple[Request, int]]
+    rows: list[tuple[Request, bool]]
     tokens: torch.Tensor
     event: object  # torch.cuda.Event, None on the CPU
     t_launch: float
@@ -115,7 +117,7 @@ class Pending:
 
 class Scheduler:
     def __init__(self, runner, max_batch: int, overlap: bool | None = None):
-        """overlap: decode-only AR steps run one step ahead of their host read (see `step`); None: on CUDA."""
+        """overlap: AR steps run one step ahead of their host read (see `step`); None: on CUDA."""
         if max_batch < 1:
             raise UserError(f"max_batch must be at least 1, got {max_batch}")
         self.runner, self.max_batch = runner, max_batch
@@ -274,16 +276,16 @@ class Scheduler:
         """One boundary and one step. Returns each request's newly emitted tokens (a finished request's last
         ones included; `req.done` says it ended).
 
-        With overlap, a decode-only step N + 1 is scheduled and launched before step N's tokens are read (SGLang's
-        overlap scheduler, vLLM's async scheduling): lengths are known without the tokens (one per running
-        request), and each row's input token is taken on the device from step N's output. Then the host waits for
-        step N's tokens (copied to pinned memory behind it) and emits them (EOS, max tokens, finish) while N + 1
-        runs: this call returns step N's tokens. A request that finished at step N already has a row in N + 1: that
-        token is dropped, its blocks go back once N is read (the GPU runs its steps in order, so a later owner's
-        writes come after); so is the token in flight of a request cancelled meanwhile (it keeps the tokens it was
-        given). Steps that need the host's tokens drain the step in flight first and run as without overlap: a
-        step with prompt chunks (its packed inputs) and a step whose decodes might not get their blocks (fewer free
-        than running requests: a preemption recomputes from the emitted tokens)."""
+        With overlap (AR), step N + 1 is scheduled and launched before step N's tokens are read (SGLang's overlap
+        scheduler, vLLM's async scheduling): lengths are known without the tokens (one per decoding request, a
+        chunk's per prompt), and a decode row's input token is taken on the device from step N's output (a prompt's
+        first token too). Then the host waits for step N's tokens (copied to pinned memory behind it) and emits
+        them (EOS, max tokens, finish) while N + 1 runs: this call returns step N's tokens. A request that finished
+        at step N already has a row in N + 1: that token is dropped, its blocks go back once N is read (the GPU
+        runs its steps in order, so a later owner's writes come after); so is the token in flight of a request
+        cancelled meanwhile (it keeps the tokens it was given). A step whose decodes might not get their blocks
+        (fewer free than running requests) drains the step in flight first: a preemption recomputes a request from
+        its emitted tokens, so they must all be in."""
         t0 = time.perf_counter()
         drained: list[tuple[Request, list[int]]] = []  # the step in flight's tokens
         emitted: list[tuple[Request, list[int]]] = []  # this step's (synchronous)
@@ -292,25 +294,27 @@ class Scheduler:
         self._boundary()
         with self.lock:
             chunks, decodes, preempted = self._schedule()
-        if self.pending and chunks:
-            drained += self._drain()
-            decodes = [r for r in decodes if not r.done]  # those that finished at the step drained
         rec = StepRecord(len(decodes), [c for _, c in chunks], len(decodes) * self.decode_rows +
                          sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting),
                          self.decode_rows if decodes else 0)
         rec.plan_s = time.perf_counter() - t0
-        if self.overlap and decodes and not chunks:
+        if self.overlap and (chunks or decodes):
             rec.events = self._events()
-            tokens, event = self.runner.decode_async(decodes)
+            rows, tokens, event = self._launch(chunks, decodes)
             if rec.events:
                 rec.events[1].record()
             t1 = time.perf_counter()
             drained += self._drain()  # step N's tokens, while this one runs
-            for r in decodes:  # lengths advance now; the token is read with the next step
-                if not r.done:
+            for req, c in chunks:  # lengths advance now (after N's emission, which reads them); tokens next step
+                if not req.done:  # (failed)
+                    req.prefilled = req.n = req.prefilled + c
+                    if not req.prefilling:
+                        req.last = -1
+            for r in decodes:
+                if not r.done:  # (finished at N: its row's token is dropped)
                     r.n += 1
                     r.last = -1
-            self.pending = Pending(decodes, tokens, event, t1)
+            self.pending = Pending(chunks, rows, tokens, event, t1)
         elif chunks or decodes:
             events = self._events()
             t1 = time.perf_counter()
@@ -357,14 +361,30 @@ class Scheduler:
             p.event.synchronize()
         now = time.perf_counter()
         dt = now - p.t_launch
+        for req, _ in p.chunks:
+            req.stats.prefill_s += dt
         emitted = []
-        for req, tok in zip(p.decodes, p.tokens.tolist()):
-            if req.done:  # finished at the step before: its extra row's token is not its
+        for (req, first), tok in zip(p.rows, p.tokens.tolist()):
+            if req.done:  # finished at the step before (or cancelled since): its extra row's token is not its
                 continue
             req.last = tok
-            req.stats.decode_s += dt
+            if first:
+                req.t_first = req.t_first or now  # a recomputed request had its first token
+            else:
+                req.stats.decode_s += dt
             emitted.append((req, self._emit(req, [tok], now)))
         return emitted
+
+    def _launch(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
+        """The step launched (overlap); one that fails fails its prompt chunks' requests, as `_run`."""
+        try:
+            return self.runner.step_async(chunks, decodes)
+        except Exception as e:
+            if not chunks:
+                raise
+            for req, _ in chunks:
+                self._fail(req, e)
+            return self.runner.step_async([], decodes)
 
     def _run(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
         """The step's pass. One that fails fails the requests whose prompt chunks were in it (their input is what
