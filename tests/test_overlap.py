@@ -155,3 +155,27 @@ def test_overlap_preempted_equal_alone(engine_dir, sync, monkeypatch):
     assert n[0] >= 3 and n[1] >= 10 and n[2] == 0, n
     sched.step()
     check_pool(sched)
+
+
+def test_overlap_failed_chunk(over, sync):
+    """A launch with prompt chunks that fails fails the requests of those chunks; the others' decodes launch
+    again without them and keep their tokens alone; every block comes back."""
+    sched = over.scheduler()
+    ok = sched.add([1, 2, 3], 6)
+    sched.step()  # ok's prompt is in; bad comes after
+    bad = sched.add([4, 5, 6], 4)
+    real = sched.runner.step_async
+
+    def launch(chunks, decodes):
+        if any(req is bad for req, _ in chunks):
+            raise RuntimeError("boom")
+        return real(chunks, decodes)
+    sched.runner.step_async = launch
+    try:
+        drive(sched, [ok, bad])
+    finally:
+        del sched.runner.step_async
+    assert bad.stats.stop_reason == "error" and "boom" in bad.error
+    assert ok.out == alone(sync, [1, 2, 3], 6)
+    sched.step()
+    check_pool(sched)
