@@ -14,7 +14,7 @@ building before the one copy to the device), which on CUDA are no launch.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_step_host.py [--batch 64,256] [--steps 200] [--cprofile] [--overlap]
 
---overlap: the scheduler's overlapped decode-only steps (on by default on CUDA): the same host work, a step late;
+--overlap: the scheduler's overlapped steps (on by default on CUDA): the same host work, each step's read a step late;
 on the CPU nothing runs meanwhile, so this counts what overlap adds to the host's work, not what it hides.
 """
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--op-steps", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true", help="print the top functions by own time too")
-    ap.add_argument("--overlap", action="store_true", help="the scheduler's overlapped decode-only steps")
+    ap.add_argument("--overlap", action="store_true", help="the scheduler's overlapped steps")
     a = ap.parse_args()
     torch.set_num_threads(1)
     stub_timed()

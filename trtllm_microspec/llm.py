@@ -113,7 +113,7 @@ class LLM:
         prompt chunks and decode rows together (None: 8192 on CUDA, 1024 on the CPU, at least max_batch x the rows
         a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
         included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
-        the configured tree). overlap: the batched engine schedules a decode-only AR step while the one before
+        the configured tree). overlap: the batched engine schedules and launches an AR step while the one before
         runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: on CUDA)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")

@@ -17,8 +17,8 @@ random prompt tokens and --new-tokens new tokens each, submitted at once (greedy
 defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and once measured; from the scheduler's
 own record of every step: the GPU time of its pass (CUDA events), the host time of the step around it, the rows it
 ran, for the steps with prompt chunks and the decode-only steps apart. Without overlap (--no-overlap) the GPU idles
-for the host part of every step (host = step - GPU); with it, a decode-only step's call launches it and then waits
-for the step before, so step - GPU is the GPU's idle time per step and GPU share its busy fraction.
+for the host part of every step (host = step - GPU); with it (AR), a step's call launches it and then waits for the
+step before, so step - GPU is the GPU's idle time per step and GPU share its busy fraction.
 """
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def timeline(a) -> None:
              f"{meta['max_num_tokens']}, {meta['kv_blocks']} KV blocks. Medians over the measured pass's steps. "
              f"GPU: the pass (CUDA events); step: the host's whole step (schedule, inputs, launch, wait, emit); "
              f"host = step - GPU, when the GPU idles. GPU share: GPU time / step time over those steps. Overlap "
-             f"{'on' if meta['overlap'] else 'off'} (a decode-only step scheduled while the one before runs).", "",
+             f"{'on' if meta['overlap'] else 'off'} (an AR step scheduled and launched while the one before runs).", "",
              "| batch | steps | count | rows p50 | GPU ms p50 | step ms p50 | host ms p50 | plan ms p50 | GPU share "
              "| output tok/s (whole pass) | preempted |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['kind']} | {r['steps']} | {r['rows_p50']:.0f} | {_f(r['gpu_ms_p50'], '.2f')} | "
@@ -368,7 +368,7 @@ def register(sub) -> None:
                    "ops and kernels that take it")
     p.add_argument("--max-num-tokens", type=int, help="--timeline: the engine's token budget per step (default 8192)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None, help="--timeline: every "
-                   "step synchronous (default: a decode-only AR step is scheduled while the one before runs)")
+                   "step synchronous (default: an AR step is scheduled and launched while the one before runs)")
     p.add_argument("--kv-memory", type=float, help="--timeline: the KV pool (fraction of free GPU memory; default 0.5)")
     p.add_argument("--method", default="ar", choices=METHODS, help="--timeline: the engine's method (a speculative "
                    "one's decode-only steps are its rounds, or plain rows where the policy picks them)")

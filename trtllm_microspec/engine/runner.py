@@ -109,7 +109,7 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 class BatchRunner:
     grows = True  # blocks are appended as a request grows (and it may be preempted, then recomputed)
-    overlaps = True  # decode-only steps may be launched before the previous one's tokens are read (decode_async)
+    overlaps = True  # a step may be launched before the previous one's tokens are read (step_async)
     inputs = 3  # rows of the persistent input buffer `inp`: last token, committed length, batch slot
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,

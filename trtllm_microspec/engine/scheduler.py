@@ -15,7 +15,8 @@ cannot give a running request the slots of its step, the request that joined las
 vLLM): its blocks go back, it leaves its batch slot, and it waits at the head of the queue to be prefilled again
 with its prompt and the tokens it has emitted, after which it goes on where it was (its random stream kept): its
 tokens stay those it gets alone. Every step is recorded in `history` (what it ran, and its host and GPU time when
-`timing` is on).
+`timing` is on). With `overlap` (AR, on by default on CUDA) the host schedules and launches step N + 1 while the
+GPU runs step N and reads N's tokens after that: `step`.
 """
 from __future__ import annotations
 
