@@ -237,7 +237,7 @@ class BatchRunner:
                 chunk_slot.repeat_interleave(lens_t), dec_slot, tail, *extra]
         tokens, pos, row_table, n_chunk, rows_d, slot_d, at_d, *extra_d = \
             upload(torch.cat(host), dev).split([P + D, P + D, P + D, B, R, R, R, *(x.numel() for x in extra)])
-        if decodes:  # a decode whose last is -1 (overlap: sampled by the step in flight) takes the device's
+        if decodes and min(ids[P:]) < 0:  # overlap: a decode whose last (-1) the step in flight samples reads it
             tokens[P:] = torch.where(tokens[P:] >= 0, tokens[P:], self.last_dev.index_select(0, row_table[P:]))
         if max(lens) > self.tri.shape[0]:
             self.tri = causal(1 << (max(lens) - 1).bit_length(), dev)
