@@ -288,8 +288,8 @@ class Scheduler:
         (fewer free than running requests) drains the step in flight first: a preemption recomputes a request from
         its emitted tokens, so they must all be in."""
         t0 = time.perf_counter()
-        drained: list[tuple[Request, list[int]]] = []  # the step in flight's tokens
-        emitted: list[tuple[Request, list[int]]] = []  # this step's (synchronous)
+        drained: list[tuple[Request, list[int]]] = []  # the step in flight's tokens (overlap)
+        emitted: list[tuple[Request, list[int]]] = []  # this step's own (synchronous)
         if self.pending and len(self.blocks.free) < len(self.running):
             drained += self._drain()
         self._boundary()
@@ -337,11 +337,8 @@ class Scheduler:
             drained += self._drain()
         rec.step_s = time.perf_counter() - t0
         self.history.append(rec)
-        if drained and emitted:  # one entry per request: a drained token, then its own step's
-            both: dict[Request, list[int]] = {}
-            for req, toks in drained + emitted:
-                both[req] = both.get(req, []) + toks
-            return list(both.items())
+        # (one of the two is empty: with overlap a step drains, at most once, and emits nothing of its own; without,
+        # nothing is in flight: a request is in the list once, as serving expects)
         return drained or emitted
 
     def _events(self) -> tuple | None:
