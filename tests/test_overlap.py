@@ -179,3 +179,29 @@ def test_overlap_failed_chunk(over, sync):
     assert ok.out == alone(sync, [1, 2, 3], 6)
     sched.step()
     check_pool(sched)
+
+
+def test_overlap_stream(over, sync):
+    """LLM.stream with overlap: the pieces, a step late, make the text and tokens of the run without overlap;
+    stopping it early (send True) keeps the tokens it was given."""
+    want = sync.generate(CHATS[0], 24, chat=True)
+    gen = over.stream_tokens(CHATS[0], 24, chat=True)
+    pieces, ids = [], []
+    try:
+        while True:
+            piece, toks = next(gen)
+            pieces.append(piece)
+            ids += toks
+    except StopIteration as stop:
+        got = stop.value
+    assert "".join(pieces) == want.text and ids == want.token_ids == got.token_ids
+    gen = over.stream_tokens(CHATS[0], 24, chat=True)
+    ids = list(next(gen)[1]) + list(next(gen)[1])
+    try:
+        ids += gen.send(True)[1]
+        while True:
+            ids += next(gen)[1]
+    except StopIteration as stop:
+        got = stop.value
+    assert got.stats["stop_reason"] == "stopped" and got.token_ids == ids == want.token_ids[:len(ids)]
+    assert over.scheduler().blocks.used == 0
