@@ -12,7 +12,10 @@ chunks / decode-only), and the torch ops a step runs outside the model's layers 
 torch.profiler, as cpu_round_opcount counts them), by phase. Those include host-side ops on CPU tensors (index
 building before the one copy to the device), which on CUDA are no launch.
 
-    OMP_NUM_THREADS=1 python benchmarks/cpu_step_host.py [--batch 64,256] [--steps 200] [--cprofile]
+    OMP_NUM_THREADS=1 python benchmarks/cpu_step_host.py [--batch 64,256] [--steps 200] [--cprofile] [--overlap]
+
+--overlap: the scheduler's overlapped steps (on by default on CUDA): the same host work, each step's read a step late;
+on the CPU nothing runs meanwhile, so this counts what overlap adds to the host's work, not what it hides.
 """
 from __future__ import annotations
 
@@ -50,11 +53,11 @@ def tiny_target(max_seq_len: int = 4096) -> Transformer:
     return Transformer(cfg).setup(torch.float32, torch.device("cpu"))
 
 
-def make(batch: int):
+def make(batch: int, overlap: bool = False):
     t = tiny_target()
     runner = runner_mod.BatchRunner(t, batch, kv_memory=1.0, max_num_tokens=runner_mod.DEFAULT_MAX_NUM_TOKENS["cuda"])
     t.layers = nn.ModuleList()  # the forward: embedding, physical slots, position write, final norm
-    return runner, sched_mod.Scheduler(runner, batch)
+    return runner, sched_mod.Scheduler(runner, batch, overlap)
 
 
 class Load:
@@ -173,11 +176,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--op-steps", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true", help="print the top functions by own time too")
+    ap.add_argument("--overlap", action="store_true", help="the scheduler's overlapped steps")
     a = ap.parse_args()
     torch.set_num_threads(1)
     stub_timed()
     for B in map(int, a.batch.split(",")):
-        runner, sched = make(B)
+        runner, sched = make(B, a.overlap)
         load = Load(sched)
         with torch.no_grad():
             warm(load)

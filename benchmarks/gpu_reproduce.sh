@@ -56,6 +56,10 @@
 #              acceptance and the tree sizes the policy chose per level in the table
 #   load       throughput under load (~5 min on an H200): the batched engine's step timeline at batch 64/128/256,
 #              then AR and vLLM on LOAD_LIMIT x 6 Spec-Bench first turns (240) at LOAD_LEVELS, batched runs only
+#   overlap    the overlapped step (issue 21; ~8 min on an H200): 256 random requests in fp32 with overlap off and
+#              on (outputs must be equal; tok/s of each), the AR step timeline at batch 64/128/256 with overlap off
+#              and on (GPU share = the GPU's busy fraction of a step), then AR on the load stage's 240 first turns
+#              at LOAD_LEVELS with --no-overlap and without, batched runs only
 set -euo pipefail
 export PYTHONUNBUFFERED=1    # every line as it is printed, through tee and grep too
 KEY=${KEY:-qwen2.5-coder-1.5b}
@@ -303,6 +307,18 @@ EOF
         --categories mt_bench,translation,summarization,qa,math_reasoning,rag --max-new-tokens "$TOKENS" --warmup 1 \
         --out "$OUT/load_$KEY" 2>&1 | grep -E "tok/s|rror"
       grep -A12 "in-flight batching" "$OUT/load_$KEY/results.md" | tail -9 ;;
+    overlap)
+      python3 benchmarks/gpu_overlap_check.py --engine "$KEY" --requests 256 --dtype float32 2>&1 | tee "$OUT/overlap_check_$KEY.txt"
+      for o in off on; do
+        ms profile --engine "$KEY" --timeline --batch 64,128,256 --context 512 --new-tokens 128 \
+          $([ $o = off ] && echo --no-overlap) --out "$OUT/timeline_overlap_${o}_$KEY.md" 2>&1 | grep -E "^timeline:|rror"
+      done
+      for o in off on; do
+        ms bench --engine "$KEY" --methods ar --concurrency "$LOAD_LEVELS" --batched-only --limit "$LOAD_LIMIT" \
+          --categories mt_bench,translation,summarization,qa,math_reasoning,rag --max-new-tokens "$TOKENS" --warmup 1 \
+          $([ $o = off ] && echo --no-overlap) --out "$OUT/load_overlap_${o}_$KEY" 2>&1 | grep -E "tok/s|rror"
+        grep -A12 "in-flight batching" "$OUT/load_overlap_${o}_$KEY/results.md" | tail -9
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

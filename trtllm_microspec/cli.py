@@ -72,6 +72,9 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    "max-batch x the rows a request decodes per step)")
     p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
                    "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None, help="the batched "
+                   "engine runs every step synchronously: no AR step scheduled and launched while the one before "
+                   "runs on the GPU (default: overlapped on CUDA, synchronous on the CPU)")
     p.add_argument("--spec-policy", choices=["auto", "fixed"], default="auto", help="speculative methods in the "
                    "batched engine: auto picks each step's draft tree (plain decoding included) from the step's "
                    "measured cost and the requests' acceptance, for the most tokens per second; fixed always runs "
@@ -104,7 +107,7 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
                total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
                tp=a.tp, tp_timeout=a.tp_timeout, max_batch=getattr(a, "max_batch", None),
                kv_memory=getattr(a, "kv_memory", None), max_num_tokens=getattr(a, "max_num_tokens", None),
-               spec_policy=getattr(a, "spec_policy", "auto"))
+               spec_policy=getattr(a, "spec_policy", "auto"), overlap=getattr(a, "overlap", None))
 
 
 def resolve_tree(a: argparse.Namespace, device: str | None = None):

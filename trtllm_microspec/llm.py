@@ -106,14 +106,15 @@ class LLM:
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
                  max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
-                 spec_policy: str = "auto"):
+                 spec_policy: str = "auto", overlap: bool | None = None):
         """depth / top_k / total_tokens left None: the device's tree (speculative.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
         prompt chunks and decode rows together (None: 8192 on CUDA, 1024 on the CPU, at least max_batch x the rows
         a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
         included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
-        the configured tree)."""
+        the configured tree). overlap: the batched engine schedules and launches an AR step while the one before
+        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: on CUDA)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
@@ -161,6 +162,7 @@ class LLM:
         self.max_batch = max_batch or DEFAULT_MAX_BATCH[self.device.type]
         self.kv_memory, self.max_num_tokens = kv_memory, max_num_tokens
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.overlap = overlap
         self._scheduler = None  # the batched engine and its KV pool, made on first use
 
     def _ranked_ids(self) -> torch.Tensor | None:
@@ -254,7 +256,7 @@ class LLM:
                                     self.spec_policy)
                 if self.cuda_graphs:  # the policy's step costs measured now, every graph it may pick captured
                     runner.calibrate()
-            self._scheduler = Scheduler(runner, self.max_batch)
+            self._scheduler = Scheduler(runner, self.max_batch, self.overlap)
         return self._scheduler
 
     def result(self, req) -> Result:

@@ -15,8 +15,10 @@ fastest skinny-GEMM config, and the default path, each with its GB/s and % of th
 --timeline instead: the batched engine's step timeline under load. For each --batch size B, B requests of --context
 random prompt tokens and --new-tokens new tokens each, submitted at once (greedy, CUDA graphs, the engine's
 defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and once measured; from the scheduler's
-own record of every step: the GPU time of its pass (CUDA events), the host time of the step around it (the GPU idles
-then: nothing overlaps yet), the rows it ran, for the steps with prompt chunks and the decode-only steps apart.
+own record of every step: the GPU time of its pass (CUDA events), the host time of the step around it, the rows it
+ran, for the steps with prompt chunks and the decode-only steps apart. Without overlap (--no-overlap) the GPU idles
+for the host part of every step (host = step - GPU); with it (AR), a step's call launches it and then waits for the
+step before, so step - GPU is the GPU's idle time per step and GPU share its busy fraction.
 """
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ def timeline(a) -> None:
             save_draft(EagleDraft(draft_config(ModelConfig.load(engine / "config.json")), bias=False), tmp, engine)
             draft = tmp
         llm = LLM(a.engine, a.method, draft=draft, max_batch=top, kv_memory=a.kv_memory,
-                  max_num_tokens=a.max_num_tokens, spec_policy=a.spec_policy)
+                  max_num_tokens=a.max_num_tokens, spec_policy=a.spec_policy, overlap=a.overlap)
         sched = llm.scheduler()  # (a speculative one calibrates its policy now: every graph it may pick captured)
     target, runner, cuda = llm.target, sched.runner, llm.device.type == "cuda"
     sched.timing = True
@@ -171,14 +173,15 @@ def timeline(a) -> None:
     meta = dict(engine=str(a.engine), device=torch.cuda.get_device_name() if cuda else "cpu",
                 torch=torch.__version__, context=a.context, new_tokens=a.new_tokens, method=a.method,
                 tree=str(llm.tree) if a.method != "ar" else None, spec_policy=a.spec_policy,
-                max_num_tokens=runner.max_num_tokens, kv_blocks=runner.blocks.num_blocks)
+                max_num_tokens=runner.max_num_tokens, kv_blocks=runner.blocks.num_blocks, overlap=sched.overlap)
     shape = "" if a.method == "ar" else f" ({llm.tree}, --spec-policy {a.spec_policy}; a random head unless --draft)"
     lines = [f"# batched engine step timeline: {meta['engine']} on {meta['device']}, {a.method}{shape}", "",
              f"torch {meta['torch']}; per batch size B: B requests of {a.context} random prompt tokens and "
              f"{a.new_tokens} new tokens each, submitted at once, greedy, CUDA graphs (on CUDA); max_num_tokens "
              f"{meta['max_num_tokens']}, {meta['kv_blocks']} KV blocks. Medians over the measured pass's steps. "
              f"GPU: the pass (CUDA events); step: the host's whole step (schedule, inputs, launch, wait, emit); "
-             f"host = step - GPU, when the GPU idles. GPU share: GPU time / step time over those steps.", "",
+             f"host = step - GPU, when the GPU idles. GPU share: GPU time / step time over those steps. Overlap "
+             f"{'on' if meta['overlap'] else 'off'} (an AR step scheduled and launched while the one before runs).", "",
              "| batch | steps | count | rows p50 | GPU ms p50 | step ms p50 | host ms p50 | plan ms p50 | GPU share "
              "| output tok/s (whole pass) | preempted |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['kind']} | {r['steps']} | {r['rows_p50']:.0f} | {_f(r['gpu_ms_p50'], '.2f')} | "
@@ -364,6 +367,8 @@ def register(sub) -> None:
                    "torch.profiler: host and GPU time of the steps with prompt chunks and the decode-only ones, the "
                    "ops and kernels that take it")
     p.add_argument("--max-num-tokens", type=int, help="--timeline: the engine's token budget per step (default 8192)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None, help="--timeline: every "
+                   "step synchronous (default: an AR step is scheduled and launched while the one before runs)")
     p.add_argument("--kv-memory", type=float, help="--timeline: the KV pool (fraction of free GPU memory; default 0.5)")
     p.add_argument("--method", default="ar", choices=METHODS, help="--timeline: the engine's method (a speculative "
                    "one's decode-only steps are its rounds, or plain rows where the policy picks them)")

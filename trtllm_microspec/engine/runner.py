@@ -93,6 +93,13 @@ def longs(xs: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", xs), dtype=torch.long) if xs else torch.zeros(0, dtype=torch.long)
 
 
+def upload(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for the GPU: a plain copy from pageable memory synchronizes the
+    stream (torch), so an overlapped step (Scheduler overlap) would wait for the step in flight. Pinned, the copy is
+    queued behind it (the caching host allocator keeps the pinned block until the copy has run)."""
+    return host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+
+
 def batch_bucket(B: int, max_batch: int) -> int:
     b = 1
     while b < B:
@@ -102,6 +109,7 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 class BatchRunner:
     grows = True  # blocks are appended as a request grows (and it may be preempted, then recomputed)
+    overlaps = True  # a step may be launched before the previous one's tokens are read (step_async)
     inputs = 3  # rows of the persistent input buffer `inp`: last token, committed length, batch slot
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
@@ -136,6 +144,9 @@ class BatchRunner:
         self.joined_blocks: list[tuple[int, int, int]] = []  # and the blocks they joined with (speculative)
         self.inp = torch.zeros(self.inputs, max_batch, dtype=torch.long, device=dev)
         self.next = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        # each batch slot's last sampled decode token, on the device: an overlapped step's input row of a request
+        # whose token the host has not read yet (its `last` is -1) is taken from here (_decode)
+        self.last_dev = torch.zeros(max_batch + 1, dtype=torch.long, device=dev)
         self.one = causal(1, dev)[None]
         self.sampler = Sampler(target.argmax, dev, max_batch + 1)  # a row per batch slot and the padding slot (greedy)
         self.graphs = GraphRunner() if cuda_graphs else None
@@ -162,7 +173,7 @@ class BatchRunner:
         updates = self.joined_blocks + updates
         if not self.joined and not updates:
             return
-        host = longs(self.joined + [x for u in updates for x in u]).to(self.device)
+        host = upload(longs(self.joined + [x for u in updates for x in u]), self.device)
         fresh, (slot, col, block) = host[:len(self.joined)], host[len(self.joined):].view(-1, 3).T
         if self.joined:
             self.table.index_fill_(0, fresh, 0)
@@ -225,7 +236,9 @@ class BatchRunner:
         host = [longs(ids), torch.arange(P) + shift.repeat_interleave(lens_t), n_dec,
                 chunk_slot.repeat_interleave(lens_t), dec_slot, tail, *extra]
         tokens, pos, row_table, n_chunk, rows_d, slot_d, at_d, *extra_d = \
-            torch.cat(host).to(dev).split([P + D, P + D, P + D, B, R, R, R, *(x.numel() for x in extra)])
+            upload(torch.cat(host), dev).split([P + D, P + D, P + D, B, R, R, R, *(x.numel() for x in extra)])
+        if decodes and min(ids[P:]) < 0:  # overlap: a decode whose last (-1) the step in flight samples reads it
+            tokens[P:] = torch.where(tokens[P:] >= 0, tokens[P:], self.last_dev.index_select(0, row_table[P:]))
         if max(lens) > self.tri.shape[0]:
             self.tri = causal(1 << (max(lens) - 1).bit_length(), dev)
         parts = [Span(n_chunk[b:b + 1], self.tri[None, :c, :c], starts[b] + c, self.table[req.slot:req.slot + 1])
@@ -271,7 +284,7 @@ class BatchRunner:
         for e in extra:
             vals += e + [0] * pad
         k = 3 + len(extra)
-        self.inp[:k, :rows].copy_(longs(vals).view(k, rows))
+        self.inp[:k, :rows].copy_(upload(longs(vals), self.device).view(k, rows))
         S = max(r.n for r in reqs) + self.reserve
         if self.graphs:
             S = bucket_for(S, self.target.cfg.max_seq_len)
@@ -285,26 +298,59 @@ class BatchRunner:
         else:
             fn()
 
+    def _launch_decode(self, reqs: list) -> None:
+        Bb = batch_bucket(len(reqs), self.max_batch)
+        S, mode = self.prepare(reqs, Bb)
+        self.launch((Bb, S, mode), lambda: self._decode(Bb, S, mode))
+
     def decode(self, reqs: list) -> list[list[int]]:
         """One AR step for the batch: one target pass over one row per request."""
         B = len(reqs)
-        Bb = batch_bucket(B, self.max_batch)
-        S, mode = self.prepare(reqs, Bb)
-        self.launch((Bb, S, mode), lambda: self._decode(Bb, S, mode))
+        self._launch_decode(reqs)
         out = self.next[:B].tolist()  # the one host read per step
         for r, tok in zip(reqs, out):
             r.n += 1
             r.last = tok
         return [[tok] for tok in out]
 
+    def step_async(self, chunks: list[tuple], decodes: list) -> tuple[list[tuple], torch.Tensor, object]:
+        """`step` launched, its tokens not read (Scheduler overlap): a request whose `last` is -1 (sampled by the
+        step still in flight) takes its input token from the device (last_dev). Returns the sampled rows'
+        (request, True for a prompt's first token) in the tokens' order, the tokens' host copy queued into pinned
+        memory behind the pass, and the event that says it has landed (None on the CPU: it has). The requests are
+        left as they are: the scheduler advances them."""
+        if not chunks and not decodes:
+            return [], torch.zeros(0, dtype=torch.long), None
+        if not chunks:
+            self._launch_decode(decodes)
+            tok = self.next[:len(decodes)]
+            rows = [(r, False) for r in decodes]
+        else:
+            p = self.pack(chunks, decodes)
+            h = self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
+            tok = p.rows
+            if p.sample:
+                tok = self.sampler.choose(self.target.logits(h[p.rows]), p.slot, p.at, self.sampler.mode(p.sample))
+                self.last_dev.index_copy_(0, p.slot, tok)  # the next step's decode rows read them there
+            rows = [(chunks[b][0], True) for b in p.ends] + [(r, False) for r in decodes]
+        if self.device.type != "cuda":
+            return rows, tok.clone(), None
+        host = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True)
+        host.copy_(tok, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return rows, host, done
+
     def _decode(self, Bb: int, S: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The AR step (each row's token into self.next) -> the target's hidden [Bb, d] and logits [Bb, V]: a
         speculative runner's plain step is this step and what it keeps of them for its draft (SpecRunner._plain)."""
         tok, n, slot = self.inp[0, :Bb], self.inp[1, :Bb], self.inp[2, :Bb]
+        tok = torch.where(tok >= 0, tok, self.last_dev.index_select(0, slot))  # -1: the step in flight's token
         span = Span(n, self.one.expand(Bb, 1, 1), S, self.table.index_select(0, slot))
         h = self.target(tok, n, n, span, cache=self.cache)
         logits = self.target.logits(h)
         self.next[:Bb].copy_(self.sampler.choose(logits, slot, n + 1, mode))
+        self.last_dev.index_copy_(0, slot, self.next[:Bb])  # (padding rows all write the padding slot's)
         return h, logits
 
 
@@ -328,6 +374,7 @@ class SpecRunner(BatchRunner):
     recomputed token for token after a preemption, so none is preempted."""
 
     grows = False
+    overlaps = False  # its rounds and plain steps read their results before the next step is scheduled
     inputs = 4  # BatchRunner's rows, then each row's lag (its pending plain steps)
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,

@@ -15,7 +15,8 @@ cannot give a running request the slots of its step, the request that joined las
 vLLM): its blocks go back, it leaves its batch slot, and it waits at the head of the queue to be prefilled again
 with its prompt and the tokens it has emitted, after which it goes on where it was (its random stream kept): its
 tokens stay those it gets alone. Every step is recorded in `history` (what it ran, and its host and GPU time when
-`timing` is on).
+`timing` is on). With `overlap` (AR, on by default on CUDA) the host schedules and launches step N + 1 while the
+GPU runs step N and reads N's tokens after that: `step`.
 """
 from __future__ import annotations
 
@@ -104,11 +105,27 @@ class StepRecord:
         return self.events[0].elapsed_time(self.events[1])
 
 
+@dataclass
+class Pending:
+    """A step launched and not yet read (overlap): its chunks, its sampled rows' (request, a prompt's first token)
+    in order, their tokens' host copy and its event."""
+    chunks: list[tuple[Request, int]]
+    rows: list[tuple[Request, bool]]
+    tokens: torch.Tensor
+    event: object  # torch.cuda.Event, None on the CPU
+    t_launch: float
+
+
 class Scheduler:
-    def __init__(self, runner, max_batch: int):
+    def __init__(self, runner, max_batch: int, overlap: bool | None = None):
+        """overlap: AR steps run one step ahead of their host read (see `step`); None: on CUDA."""
         if max_batch < 1:
             raise UserError(f"max_batch must be at least 1, got {max_batch}")
         self.runner, self.max_batch = runner, max_batch
+        if overlap is None:
+            overlap = runner.device.type == "cuda"
+        self.overlap = overlap and runner.overlaps
+        self.pending: Pending | None = None  # the overlapped step in flight
         self.max_seq_len = runner.target.cfg.max_seq_len
         self.blocks: BlockManager = runner.blocks
         self.stop_ids = set(runner.stop_ids)
@@ -182,6 +199,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Recompute: blocks and batch slot back; prefilled again later with its prompt and its emitted tokens."""
+        # (the step in flight has only decoding requests, whose emitted tokens a recompute needs: step drains it
+        # before a step that might preempt one; a prompt's chunk may preempt a later prompt meanwhile)
+        assert self.pending is None or req.prefilling, "a decoding request preempted while its step is in flight"
         self.running.remove(req)
         self.blocks.release(req.rid)
         self.runner.preempt(req)
@@ -255,8 +275,23 @@ class Scheduler:
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """One boundary and one step. Returns each request's newly emitted tokens (a finished request's last
-        ones included; `req.done` says it ended)."""
+        ones included; `req.done` says it ended).
+
+        With overlap (AR), step N + 1 is scheduled and launched before step N's tokens are read (SGLang's overlap
+        scheduler, vLLM's async scheduling): lengths are known without the tokens (one per decoding request, a
+        chunk's per prompt), and a decode row's input token is taken on the device from step N's output (a prompt's
+        first token too). Then the host waits for step N's tokens (copied to pinned memory behind it) and emits
+        them (EOS, max tokens, finish) while N + 1 runs: this call returns step N's tokens. A request that finished
+        at step N already has a row in N + 1: that token is dropped, its blocks go back once N is read (the GPU
+        runs its steps in order, so a later owner's writes come after); so is the token in flight of a request
+        cancelled meanwhile (it keeps the tokens it was given). A step whose decodes might not get their blocks
+        (fewer free than running requests) drains the step in flight first: a preemption recomputes a request from
+        its emitted tokens, so they must all be in."""
         t0 = time.perf_counter()
+        drained: list[tuple[Request, list[int]]] = []  # the step in flight's tokens (overlap)
+        emitted: list[tuple[Request, list[int]]] = []  # this step's own (synchronous)
+        if self.pending and len(self.blocks.free) < len(self.running):
+            drained += self._drain()
         self._boundary()
         with self.lock:
             chunks, decodes, preempted = self._schedule()
@@ -264,12 +299,25 @@ class Scheduler:
                          sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting),
                          self.decode_rows if decodes else 0)
         rec.plan_s = time.perf_counter() - t0
-        emitted: list[tuple[Request, list[int]]] = []
-        if chunks or decodes:
-            events = None
-            if self.timing and self.runner.device.type == "cuda":
-                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                events[0].record()
+        if self.overlap and (chunks or decodes):
+            rec.events = self._events()
+            rows, tokens, event = self._launch(chunks, decodes)
+            if rec.events:
+                rec.events[1].record()
+            t1 = time.perf_counter()
+            drained += self._drain()  # step N's tokens, while this one runs
+            for req, c in chunks:  # lengths advance now (after N's emission, which reads them); tokens next step
+                if not req.done:  # (failed)
+                    req.prefilled = req.n = req.prefilled + c
+                    if not req.prefilling:
+                        req.last = -1
+            for r in decodes:
+                if not r.done:  # (finished at N: its row's token is dropped)
+                    r.n += 1
+                    r.last = -1
+            self.pending = Pending(chunks, rows, tokens, event, t1)
+        elif chunks or decodes:
+            events = self._events()
             t1 = time.perf_counter()
             firsts, decoded = self._run(chunks, decodes)  # its tokens read back: the pass is over
             now = time.perf_counter()  # when every token of this step was emitted
@@ -285,9 +333,56 @@ class Scheduler:
             for req, toks in zip(decodes, decoded):
                 req.stats.decode_s += dt
                 emitted.append((req, self._emit(req, toks, now)))
+        else:
+            drained += self._drain()
         rec.step_s = time.perf_counter() - t0
         self.history.append(rec)
+        # (one of the two is empty: with overlap a step drains, at most once, and emits nothing of its own; without,
+        # nothing is in flight: a request is in the list once, as serving expects)
+        return drained or emitted
+
+    def _events(self) -> tuple | None:
+        """CUDA events around a pass (timing on), the first recorded now."""
+        if not (self.timing and self.runner.device.type == "cuda"):
+            return None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        return events
+
+    def _drain(self) -> list[tuple[Request, list[int]]]:
+        """The step in flight's tokens read (waits for them) and emitted; a request that finished or left since it
+        was launched drops its token. Nothing in flight: nothing."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return []
+        if p.event is not None:
+            p.event.synchronize()
+        now = time.perf_counter()
+        dt = now - p.t_launch
+        for req, _ in p.chunks:
+            req.stats.prefill_s += dt
+        emitted = []
+        for (req, first), tok in zip(p.rows, p.tokens.tolist()):
+            if req.done:  # finished at the step before (or cancelled since): its extra row's token is not its
+                continue
+            req.last = tok
+            if first:
+                req.t_first = req.t_first or now  # a recomputed request had its first token
+            else:
+                req.stats.decode_s += dt
+            emitted.append((req, self._emit(req, [tok], now)))
         return emitted
+
+    def _launch(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
+        """The step launched (overlap); one that fails fails its prompt chunks' requests, as `_run`."""
+        try:
+            return self.runner.step_async(chunks, decodes)
+        except Exception as e:
+            if not chunks:
+                raise
+            for req, _ in chunks:
+                self._fail(req, e)
+            return self.runner.step_async([], decodes)
 
     def _run(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
         """The step's pass. One that fails fails the requests whose prompt chunks were in it (their input is what

@@ -86,7 +86,8 @@ def model_params(a: argparse.Namespace) -> dict[str, str]:
             "cuda_graphs": str(not a.eager).lower(), "max_batch": "" if a.max_batch is None else str(a.max_batch),
             "max_num_tokens": "" if a.max_num_tokens is None else str(a.max_num_tokens),
             "kv_memory": "" if a.kv_memory is None else str(a.kv_memory), "tp": str(a.tp),
-            "tp_timeout": str(a.tp_timeout), "spec_policy": getattr(a, "spec_policy", "auto")}
+            "tp_timeout": str(a.tp_timeout), "spec_policy": getattr(a, "spec_policy", "auto"),
+            "overlap": "" if getattr(a, "overlap", None) is None else str(a.overlap).lower()}
 
 
 def check_queue_size(n: int) -> None:

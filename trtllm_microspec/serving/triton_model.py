@@ -146,7 +146,8 @@ class TritonPythonModel:
         tp_port = knobs.pop("tp_port", None)
         kwargs = dict(engine=p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
                       device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false",
-                      spec_policy=p.get("spec_policy") or "auto", **knobs)
+                      spec_policy=p.get("spec_policy") or "auto",
+                      overlap=None if not p.get("overlap") else p["overlap"] != "false", **knobs)
         self.tp = knobs.get("tp", 1)
         if self.tp > 1:  # rank 0 of `microspec serve --tp`: its followers run every step with it (serving/tp.py)
             if tp_port is None:

@@ -162,8 +162,9 @@ class Sampler:
             return
         seed = secrets.randbits(64) if params.seed is None else params.seed
         # both halves of the 64-bit seed in each word of the key: seeds differing anywhere give other streams
-        self.key[row] = torch.tensor([fmix32((seed & M32) ^ fmix32(seed >> 32)),
-                                      fmix32(((seed >> 32) ^ 0x9E3779B9) ^ fmix32(seed & M32))])
+        # (two scalar writes, not a host tensor's copy: that would wait for the GPU's step in flight)
+        self.key[row, 0] = fmix32((seed & M32) ^ fmix32(seed >> 32))
+        self.key[row, 1] = fmix32(((seed >> 32) ^ 0x9E3779B9) ^ fmix32(seed & M32))
 
     def mode(self, rows: list[int]) -> str:
         """Which code a step of these rows runs, so each gets its own CUDA graphs: the argmax only (all greedy), or
