@@ -14,7 +14,7 @@ building before the one copy to the device), which on CUDA are no launch.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_step_host.py [--batch 64,256] [--steps 200] [--cprofile] [--overlap]
 
---overlap: the scheduler's overlapped steps (on by default on CUDA): the same host work, each step's read a step late;
+--overlap: the scheduler's overlapped steps (off by default): the same host work, each step's read a step late;
 on the CPU nothing runs meanwhile, so this counts what overlap adds to the host's work, not what it hides.
 """
 from __future__ import annotations

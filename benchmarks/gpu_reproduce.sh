@@ -311,12 +311,12 @@ EOF
       python3 benchmarks/gpu_overlap_check.py --engine "$KEY" --requests 256 --dtype float32 2>&1 | tee "$OUT/overlap_check_$KEY.txt"
       for o in off on; do
         ms profile --engine "$KEY" --timeline --batch 64,128,256 --context 512 --new-tokens 128 \
-          $([ $o = off ] && echo --no-overlap) --out "$OUT/timeline_overlap_${o}_$KEY.md" 2>&1 | grep -E "^timeline:|rror"
+          --$([ $o = off ] && echo no-)overlap --out "$OUT/timeline_overlap_${o}_$KEY.md" 2>&1 | grep -E "^timeline:|rror"
       done
       for o in off on; do
         ms bench --engine "$KEY" --methods ar --concurrency "$LOAD_LEVELS" --batched-only --limit "$LOAD_LIMIT" \
           --categories mt_bench,translation,summarization,qa,math_reasoning,rag --max-new-tokens "$TOKENS" --warmup 1 \
-          $([ $o = off ] && echo --no-overlap) --out "$OUT/load_overlap_${o}_$KEY" 2>&1 | grep -E "tok/s|rror"
+          --$([ $o = off ] && echo no-)overlap --out "$OUT/load_overlap_${o}_$KEY" 2>&1 | grep -E "tok/s|rror"
         grep -A12 "in-flight batching" "$OUT/load_overlap_${o}_$KEY/results.md" | tail -9
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -456,3 +456,14 @@ def test_prompts_file_requests_have_their_phase_times(capsys, engine, random_dra
                                       "microspec", "--draft", random_draft_dir))
     s = json.loads(out)["stats"]
     assert code == 0 and s["draft_s"] is None and s["decode_s"] > 0 and s["prefill_s"] > 0
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench"], ["profile"]])
+def test_overlap_flag(command):
+    """--overlap / --no-overlap on every command that runs the batched engine; unset: the engine's default (off)."""
+    from trtllm_microspec.cli import build_parser
+    from trtllm_microspec.engine.scheduler import DEFAULT_OVERLAP
+
+    parse = build_parser().parse_args
+    assert parse(command).overlap is None and DEFAULT_OVERLAP is False
+    assert parse(command + ["--overlap"]).overlap is True and parse(command + ["--no-overlap"]).overlap is False

@@ -13,6 +13,9 @@ from pathlib import Path
 from .models.registry import DEFAULT_MODEL, MODELS, UserError
 
 # modules that add their own sub-commands through `register(subparsers)`
+OVERLAP_HELP = ("the batched engine schedules and launches each AR step while the one before runs on the GPU, reading "
+                "its tokens one step late (default: off, until it has been checked on a GPU; --no-overlap: "
+                "synchronous)")
 FEATURE_MODULES = [
     "trtllm_microspec.vocab.frequency",
     "trtllm_microspec.train.train_draft",
@@ -72,9 +75,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    "max-batch x the rows a request decodes per step)")
     p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
                    "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None, help="the batched "
-                   "engine runs every step synchronously: no AR step scheduled and launched while the one before "
-                   "runs on the GPU (default: overlapped on CUDA, synchronous on the CPU)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)
     p.add_argument("--spec-policy", choices=["auto", "fixed"], default="auto", help="speculative methods in the "
                    "batched engine: auto picks each step's draft tree (plain decoding included) from the step's "
                    "measured cost and the requests' acceptance, for the most tokens per second; fixed always runs "

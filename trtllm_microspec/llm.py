@@ -114,7 +114,7 @@ class LLM:
         a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
         included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
         the configured tree). overlap: the batched engine schedules and launches an AR step while the one before
-        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: on CUDA)."""
+        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: DEFAULT_OVERLAP, off)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)

@@ -16,7 +16,7 @@ fastest skinny-GEMM config, and the default path, each with its GB/s and % of th
 random prompt tokens and --new-tokens new tokens each, submitted at once (greedy, CUDA graphs, the engine's
 defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and once measured; from the scheduler's
 own record of every step: the GPU time of its pass (CUDA events), the host time of the step around it, the rows it
-ran, for the steps with prompt chunks and the decode-only steps apart. Without overlap (--no-overlap) the GPU idles
+ran, for the steps with prompt chunks and the decode-only steps apart. Without overlap (the default) the GPU idles
 for the host part of every step (host = step - GPU); with it (AR), a step's call launches it and then waits for the
 step before, so step - GPU is the GPU's idle time per step and GPU share its busy fraction.
 """
@@ -348,6 +348,8 @@ def markdown(rows, layer_rows, proj_rows, meta) -> str:
 
 
 def register(sub) -> None:
+    from ..cli import OVERLAP_HELP
+
     p = sub.add_parser("profile", help="per-phase GPU time and kernel counts of a decode step, and one layer's pieces",
                        description=__doc__)
     p.add_argument("--engine", default="qwen2.5-coder-1.5b", help="engine directory or model key")
@@ -367,8 +369,7 @@ def register(sub) -> None:
                    "torch.profiler: host and GPU time of the steps with prompt chunks and the decode-only ones, the "
                    "ops and kernels that take it")
     p.add_argument("--max-num-tokens", type=int, help="--timeline: the engine's token budget per step (default 8192)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None, help="--timeline: every "
-                   "step synchronous (default: an AR step is scheduled and launched while the one before runs)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)
     p.add_argument("--kv-memory", type=float, help="--timeline: the KV pool (fraction of free GPU memory; default 0.5)")
     p.add_argument("--method", default="ar", choices=METHODS, help="--timeline: the engine's method (a speculative "
                    "one's decode-only steps are its rounds, or plain rows where the policy picks them)")

@@ -529,7 +529,7 @@ def _names(s: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from ..cli import add_llm_args, add_sampling_args
+    from ..cli import OVERLAP_HELP, add_llm_args, add_sampling_args
 
     p = sub.add_parser("bench", help="Spec-Bench + HumanEval: speed, speedup, acceptance, vocabulary per method",
                        description=__doc__)
@@ -556,9 +556,7 @@ def register(sub) -> None:
                    "speculation policy for every speculative method not naming its own (METHOD@fixed, METHOD@auto)")
     p.add_argument("--max-num-tokens", type=int, help="the batched engine's tokens of target work per step "
                    "(default: 8192 on CUDA, 1024 on the CPU)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None, help="the batched "
-                   "engine runs every step synchronously: no AR step scheduled and launched while the one before "
-                   "runs on the GPU (default: overlapped on CUDA, synchronous on the CPU)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)
     p.add_argument("--requests-per-level", type=int, help="with --concurrency: level c decodes only the first "
                    "c x this many first turns (default: all of them at every level)")
     p.add_argument("--batched-only", action="store_true", help="with --concurrency: only the batched levels, no "
