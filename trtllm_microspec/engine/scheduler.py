@@ -377,27 +377,25 @@ class Scheduler:
         return emitted
 
     def _launch(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
-        """The step launched (overlap); one that fails fails its prompt chunks' requests, as `_run`."""
-        try:
-            return self.runner.step_async(chunks, decodes)
-        except Exception as e:
-            if not chunks:
-                raise
-            for req, _ in chunks:
-                self._fail(req, e)
-            return self.runner.step_async([], decodes)
+        """The step launched (overlap), failed chunks as in `_run`."""
+        return self._guarded(self.runner.step_async, chunks, decodes)[0]
 
     def _run(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
-        """The step's pass. One that fails fails the requests whose prompt chunks were in it (their input is what
-        is new); the decodes run again without them and the batch goes on."""
+        """The step's pass: each chunk's first token (None where it has none) and the decodes' tokens."""
+        out, ok = self._guarded(self.runner.step, chunks, decodes)
+        return out if ok else ([None] * len(chunks), out[1])
+
+    def _guarded(self, run, chunks: list[tuple[Request, int]], decodes: list[Request]):
+        """run(chunks, decodes), and whether it ran as asked. One that fails fails the requests whose prompt chunks
+        were in it (their input is what is new); the decodes run again without them and the batch goes on."""
         try:
-            return self.runner.step(chunks, decodes)
+            return run(chunks, decodes), True
         except Exception as e:
             if not chunks:
                 raise
             for req, _ in chunks:
                 self._fail(req, e)
-            return [None] * len(chunks), self.runner.step([], decodes)[1]
+            return run([], decodes), False
 
     def _fail(self, req: Request, e: Exception) -> None:
         req.error = f"{type(e).__name__}: {e}"
