@@ -199,15 +199,26 @@ class BatchRunner:
         """One target pass: the next chunk of each (request, chunk length) being prefilled and one decode row per
         request of `decodes`. Returns each chunk's first token once its request's prompt is in (else None) and each
         decode's token. Without chunks, the (graph-captured) decode step."""
+        if not chunks and not decodes:
+            return [], []
+        return self.advance(chunks, decodes, self._pass(chunks, decodes).tolist())  # the one host read of the step
+
+    def _pass(self, chunks: list[tuple], decodes: list) -> torch.Tensor:
+        """`step`'s target pass launched, nothing read: the sampled rows' tokens on the device (each chunk's that
+        completes its prompt, then each decode's), also into last_dev, where an overlapped next step's decode rows
+        read them. Without chunks, the (graph-captured) decode step."""
         if not chunks:
-            return [], self.decode(decodes) if decodes else []
+            Bb = batch_bucket(len(decodes), self.max_batch)
+            S, mode = self.prepare(decodes, Bb)
+            self.launch((Bb, S, mode), lambda: self._decode(Bb, S, mode))
+            return self.next[:len(decodes)]
         p = self.pack(chunks, decodes)
         h = self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
-        toks = []
-        if p.sample:
-            toks = self.sampler.choose(self.target.logits(h[p.rows]), p.slot, p.at, self.sampler.mode(p.sample))
-            toks = toks.tolist()  # the one host read of the step
-        return self.advance(chunks, decodes, toks)
+        if not p.sample:
+            return p.rows  # (empty: no row sampled)
+        tok = self.sampler.choose(self.target.logits(h[p.rows]), p.slot, p.at, self.sampler.mode(p.sample))
+        self.last_dev.index_copy_(0, p.slot, tok)
+        return tok
 
     def pack(self, chunks: list[tuple], decodes: list, extra: list[torch.Tensor] = ()) -> Packed:
         """The inputs of one packed pass (AR's step, SpecRunner's prompt pass): each chunk's rows, then one row per
@@ -298,20 +309,9 @@ class BatchRunner:
         else:
             fn()
 
-    def _launch_decode(self, reqs: list) -> None:
-        Bb = batch_bucket(len(reqs), self.max_batch)
-        S, mode = self.prepare(reqs, Bb)
-        self.launch((Bb, S, mode), lambda: self._decode(Bb, S, mode))
-
     def decode(self, reqs: list) -> list[list[int]]:
         """One AR step for the batch: one target pass over one row per request."""
-        B = len(reqs)
-        self._launch_decode(reqs)
-        out = self.next[:B].tolist()  # the one host read per step
-        for r, tok in zip(reqs, out):
-            r.n += 1
-            r.last = tok
-        return [[tok] for tok in out]
+        return self.step([], reqs)[1]
 
     def step_async(self, chunks: list[tuple], decodes: list) -> tuple[list[tuple], torch.Tensor, object]:
         """`step` launched, its tokens not read (Scheduler overlap): a request whose `last` is -1 (sampled by the
@@ -321,18 +321,8 @@ class BatchRunner:
         left as they are: the scheduler advances them."""
         if not chunks and not decodes:
             return [], torch.zeros(0, dtype=torch.long), None
-        if not chunks:
-            self._launch_decode(decodes)
-            tok = self.next[:len(decodes)]
-            rows = [(r, False) for r in decodes]
-        else:
-            p = self.pack(chunks, decodes)
-            h = self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
-            tok = p.rows
-            if p.sample:
-                tok = self.sampler.choose(self.target.logits(h[p.rows]), p.slot, p.at, self.sampler.mode(p.sample))
-                self.last_dev.index_copy_(0, p.slot, tok)  # the next step's decode rows read them there
-            rows = [(chunks[b][0], True) for b in p.ends] + [(r, False) for r in decodes]
+        tok = self._pass(chunks, decodes)
+        rows = [(req, True) for req, c in chunks if req.prefilled + c == req.seq_len] + [(r, False) for r in decodes]
         if self.device.type != "cuda":
             return rows, tok.clone(), None
         host = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True)
