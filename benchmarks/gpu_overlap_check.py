@@ -4,6 +4,11 @@ the whole batch, warm: each configuration runs the batch once to capture its gra
 
 Requests: N prompts of random lengths (16 .. 1024 random ids) and budgets (32 .. 256 tokens), a quarter of them
 sampled with their own seeds, all submitted at once. Prints one line per configuration and whether the outputs match.
+Where they do not: each differing request's first differing token, and for a greedy one the gap between the two
+tokens' logits there (the target alone over the common prefix). The two runs batch differently (with overlap a
+finished request leaves a step later, so later joins and the GEMMs' row counts shift), so a tie within fp32
+rounding (a gap of ~1e-4 or less) may flip a token in one run: that is not a scheduling bug. A scheduling bug shows
+as a clear gap, or in many requests, typically from their second token on.
 
     python benchmarks/gpu_overlap_check.py --engine qwen2.5-coder-1.5b [--requests 256] [--dtype float32]
 """
@@ -16,7 +21,9 @@ import time
 import torch
 
 from trtllm_microspec import LLM
+from trtllm_microspec.models.model import Span
 from trtllm_microspec.speculative.sampling import GREEDY, SamplingParams
+from trtllm_microspec.speculative.tree import causal
 
 
 def workload(n: int, vocab: int, longest: int, most_new: int, seed: int = 0):
@@ -46,6 +53,16 @@ def run(llm: LLM, ids, budgets, params) -> tuple[list[list[int]], float, int]:
     return [r.out for r in reqs], wall, len(sched.history) - 1
 
 
+def logit_gap(llm: LLM, prefix: list[int], a: int, b: int) -> float:
+    """logit(a) - logit(b) of the target's next token after `prefix`, alone (its own single-sequence cache)."""
+    t, dev = llm.target, llm.device
+    pos = torch.arange(len(prefix), device=dev)
+    h = t(torch.tensor(prefix, device=dev), pos, pos, Span(torch.tensor(0, device=dev), causal(len(prefix), dev),
+                                                         len(prefix)))
+    logits = t.logits(h[-1:])[0].float()
+    return float(logits[a] - logits[b])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="qwen2.5-coder-1.5b")
@@ -73,6 +90,16 @@ def main() -> None:
     diff = [i for i, (x, y) in enumerate(zip(outs[False], outs[True])) if x != y]
     print(f"outputs equal with overlap on and off: {not diff}" + (f" ({len(diff)} differ, first {diff[:8]})"
                                                                       if diff else ""))
+    for i in diff[:8]:
+        x, y = outs[False][i], outs[True][i]
+        j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        line = f"  request {i} ({'greedy' if params[i].greedy else 'sampled'}): first differs at token {j} " \
+               f"({len(x)} tokens off, {len(y)} on)"
+        if j < min(len(x), len(y)):
+            line += f": {x[j]} off, {y[j]} on"
+            if params[i].greedy:
+                line += f"; logit gap there (off - on) {logit_gap(llm, ids[i] + x[:j], x[j], y[j]):.3g}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,76 @@ def test_overlap_cancel(over, sync):
     check_pool(sched)
 
 
+def test_overlap_cancel_drain_first(engine_dir, sync):
+    """Cancelled with its next token in flight when the next step drains first (fewer free blocks than running
+    requests: the drain comes before the boundary that lets the request go): that token is dropped as at any
+    other step, not emitted to a request its caller has let go (serving: a job already ended)."""
+    c = sync.target.cfg
+    small = LLM(engine_dir, "ar", device="cpu", max_batch=4, max_num_tokens=64,
+                kv_memory=8 * block_bytes(c, sync.target.cache.k.dtype) / GIB, overlap=True)
+    ids = prompts(3, [40, 12, 50], seed=8)
+    want = [alone(sync, p, 30) for p in ids]
+    sched = small.scheduler()
+    reqs = [sched.add(p, 30) for p in ids]
+    victim, given = reqs[1], None
+    while not all(r.done for r in reqs):
+        emitted = sched.step()
+        assert given is None or victim not in [r for r, _ in emitted]
+        if given is None and len(victim.out) >= 5 and not victim.done:
+            assert sched.pending and (victim, False) in sched.pending.rows  # its next token in flight
+            assert len(sched.blocks.free) < len(sched.running)  # the next step drains before its boundary
+            sched.cancel(victim)
+            given = list(victim.out)
+    assert victim.stats.stop_reason == "cancelled" and victim.out == given and len(given) < 30
+    assert victim.out == want[1][:len(victim.out)]
+    assert [reqs[0].out, reqs[2].out] == [want[0], want[2]]
+    sched.step()
+    check_pool(sched)
+
+
+def test_overlap_read_order(over, sync, monkeypatch):
+    """What the GPU path rests on, with a stand-in for the CUDA event: a step's tokens are read only after its
+    event was waited on, and step N's wait comes after step N + 1 was launched (the host never waits for the step
+    it just launched); the requests still get their tokens alone."""
+    log = []
+    runner, real = over.scheduler().runner, over.scheduler().runner.step_async
+
+    class Event:
+        def __init__(self, i):
+            self.i = i
+
+        def synchronize(self):
+            log.append(("wait", self.i))
+
+    class Tokens:
+        def __init__(self, t, i):
+            self.t, self.i = t, i
+
+        def tolist(self):
+            assert ("wait", self.i) in log, f"step {self.i}'s tokens read before its event"
+            log.append(("read", self.i))
+            return self.t.tolist()
+
+    def launch(chunks, decodes):
+        rows, tokens, event = real(chunks, decodes)
+        i = sum(1 for e in log if e[0] == "launch")
+        log.append(("launch", i))
+        return rows, Tokens(tokens, i), Event(i)
+    monkeypatch.setattr(runner, "step_async", launch)
+    ids = prompts(3, [30, 5, 60], seed=4)
+    sched = over.scheduler()
+    reqs = [sched.add(p, 12) for p in ids]
+    drive(sched, reqs)
+    sched.step()
+    assert [r.out for r in reqs] == [alone(sync, p, 12) for p in ids]
+    launches = [i for kind, i in log if kind == "launch"]
+    assert launches == list(range(len(launches))) and len(launches) >= 12
+    for i in launches:
+        assert log.index(("wait", i)) < log.index(("read", i))
+        if i + 1 in launches:  # a roomy pool: no step drains before its launch
+            assert log.index(("launch", i + 1)) < log.index(("wait", i))
+
+
 def test_overlap_preempted_equal_alone(engine_dir, sync, monkeypatch):
     """A pool of 7 blocks for 6 requests that outgrow it: with overlap, decode-only steps overlap while the pool
     has room, a step that might preempt drains first, and the preempted requests (sampled ones too) are

@@ -366,7 +366,9 @@ class Scheduler:
             req.stats.prefill_s += dt
         emitted = []
         for (req, first), tok in zip(p.rows, p.tokens.tolist()):
-            if req.done:  # finished at the step before (or cancelled since): its extra row's token is not its
+            # finished at the step before, or cancelled since (a step that drains first does so before the
+            # boundary that lets a cancelled request go): its row's token is not its
+            if req.done or req.cancelled:
                 continue
             req.last = tok
             if first:
