@@ -62,6 +62,9 @@ def test_pack_rows():
     assert a.valid(1).tolist() == [True, False, False, True, True, False, False, False]
     assert not b.valid(0)[4:].any()  # no loss reads into the padding
     assert a.n == 4 and b.n == 4 and (a.real, b.real) == (7, 5)
+    # the loss positions are counted on the host, the row then goes to its device (meta: nothing can be read back)
+    on = pack(seqs, 8, torch.device("meta"))
+    assert [p.n for p in on] == [4, 4] and all(p.tokens.is_meta and p.assistant.is_meta for p in on)
 
 
 def test_feature_store_holds_the_rows_features(engine_dir, convs):
