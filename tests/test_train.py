@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from trtllm_microspec import LLM
 from trtllm_microspec.cli import main
 from trtllm_microspec.data import sharegpt_conversations
-from trtllm_microspec.engine.loader import load_target
+from trtllm_microspec.engine.loader import load_target, read_config
 from trtllm_microspec.models.model import KVCache, Span
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.models.tokenizer import Tokenizer
@@ -62,6 +62,9 @@ def test_pack_rows():
     assert a.valid(1).tolist() == [True, False, False, True, True, False, False, False]
     assert not b.valid(0)[4:].any()  # no loss reads into the padding
     assert a.n == 4 and b.n == 4 and (a.real, b.real) == (7, 5)
+    # the loss positions are counted on the host, the row then goes to its device (meta: nothing can be read back)
+    on = pack(seqs, 8, torch.device("meta"))
+    assert [p.n for p in on] == [4, 4] and all(p.tokens.is_meta and p.assistant.is_meta for p in on)
 
 
 def test_feature_store_holds_the_rows_features(engine_dir, convs):
@@ -80,6 +83,103 @@ def test_feature_store_holds_the_rows_features(engine_dir, convs):
         assert (p.feats.untyped_storage().data_ptr() == store.bufs[0].untyped_storage().data_ptr()) == inside
         assert (p.aux.untyped_storage().data_ptr() == store.bufs[1].untyped_storage().data_ptr()) == inside
     assert store.used == 2 and store.bufs[0].shape == (2, *rows[0].feats.shape)
+
+
+def _store_probe(engine_dir, monkeypatch, rows_free: float):
+    """train()'s CUDA sizing on the CPU: `rows_free` rows' features of device memory free beside the training
+    step's reserve; returns each FeatureStore's [rows, used] and weak references to every cached feature tensor."""
+    import weakref
+
+    hidden = read_config(engine_dir).hidden_size
+    monkeypatch.setattr(train_draft, "_feature_memory", lambda dev: int(rows_free * ROW * hidden * 4))  # fp32
+    stores, refs = [], []  # each store's [rows, used] (not the store: it must be free to go)
+
+    class Store(train_draft.FeatureStore):
+        def __init__(self, rows):
+            super().__init__(rows)
+            self.seen = [rows, 0]
+            stores.append(self.seen)
+
+        def keep(self, *ts):
+            out = super().keep(*ts)
+            self.seen[1] = self.used
+            refs.extend(weakref.ref(b) for b in self.bufs or [])
+            return out
+
+    real = train_draft.target_features
+
+    def cache(target, packs, desc, until=float("inf"), store=None):
+        done = real(target, packs, desc, until, store)
+        refs.extend(weakref.ref(p.feats) for p in done)
+        return done
+
+    monkeypatch.setattr(train_draft, "FeatureStore", Store)
+    monkeypatch.setattr(train_draft, "target_features", cache)
+    return stores, refs
+
+
+def test_feature_store_takes_the_planned_rows_then_gives_them_back(engine_dir, tmp_path, monkeypatch):
+    """Under --time-limit the FeatureStore holds the planned rows the probe has not cached (not every row the
+    device's memory would hold), and before --eval's engines load nothing holds the cached features any more."""
+    import gc
+
+    convs = [[{**m, "content": m["content"][:100]} for m in c[:2]] for c in sharegpt_conversations(24)]
+    stores, refs = _store_probe(engine_dir, monkeypatch, rows_free=1000)
+    monkeypatch.setattr(train_draft, "perf_counter", lambda: 0.0)  # no time passes: the plan is the rates'
+    monkeypatch.setattr(train_draft, "train_rate", lambda *a: 200.0)
+    monkeypatch.setattr(train_draft, "_cache_timed", lambda target, packs, desc: (
+        train_draft.target_features(target, packs, desc), 100.0)[1])
+    monkeypatch.setattr(train_draft, "PROBE_ROWS", 1)  # 2 probe rows
+    alive = []
+
+    def spec_eval(*a, **kw):
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+        return {"eagle": 1.0}
+
+    monkeypatch.setattr(train_draft, "spec_eval", spec_eval)
+    rows = train_draft._shuffled(pack(tokenize(Tokenizer(engine_dir), convs[:-6], ROW, "rows"), ROW, CPU),
+                                 KW["seed"] + 1)
+    limit = 0.02 * sum(p.real for p in rows[:5]) + 1e-3  # t / 100 + 2 t / 200 s: the first 5 rows
+    want = plan_rows([p.real for p in rows], limit, 100.0, 200.0, 2.0)
+    assert want == 5 < len(rows)
+    r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": 1, "epochs": 2.0, "save_every": 0},
+              time_limit=limit, eval_tokens=1)
+    assert r["rows"] == want and r["acceptance"] == {"eagle": 1.0}
+    assert stores == [[want - 2, want - 2]]  # the planned rows less the probe's
+    assert len(refs) > want and alive == [0]  # every feature tensor, the store's buffer included, was freed
+
+
+def test_feature_store_fits_the_device(engine_dir, convs, tmp_path, monkeypatch, capsys):
+    """A plan larger than the device's memory: the rows that fit, said in one line; a resumed run whose rows do
+    not fit, or a device that holds no row, is a one-line error (not an out-of-memory traceback)."""
+    stores, _ = _store_probe(engine_dir, monkeypatch, rows_free=2.5)
+    kw = {**KW, "steps": 1, "save_every": 1}
+    r = train(engine_dir, tmp_path, data=convs, **kw)
+    rows = len(pack(tokenize(Tokenizer(engine_dir), convs[:-2], ROW, "rows"), ROW, CPU))
+    assert r["rows"] == 2 < rows and f"holds the features of 2 of the {rows} planned rows" in capsys.readouterr().err
+    assert stores == [[2, 2]]
+    monkeypatch.setattr(train_draft, "_feature_memory", lambda dev: ROW)  # not one row
+    with pytest.raises(UserError, match=r"^--resume: the features of 2 rows of 160 tokens need .* GiB of device "
+                                        r"memory; 0.0 GiB is free beside 16 GiB for the training step"):
+        train(engine_dir, tmp_path, data=convs, resume=True, **kw)
+    with pytest.raises(UserError, match=f"^the features of {rows} rows .*: lower --max-len or free the device$"):
+        train(engine_dir, tmp_path / "b", data=convs, **kw)
+
+
+def test_unrolled_steps_stay_inside_the_rope_tables(engine_dir, convs, tmp_path):
+    """An engine of max_seq_len 64 and --ttt-steps 7 (more than the held-out evaluation's 5 depths): rows are cut
+    so that a row's last position + 6 unrolled steps is still a position of the draft's rope tables."""
+    small = tmp_path / "engine"
+    small.mkdir()
+    for f in engine_dir.iterdir():
+        if f.name != "config.json":
+            (small / f.name).symlink_to(f)
+    (small / "config.json").write_text(json.dumps({**json.loads((engine_dir / "config.json").read_text()),
+                                                   "max_seq_len": 64}))
+    r = train(small, tmp_path / "d", data=convs, **{**KW, "max_len": 4096, "steps": 1, "ttt_steps": 7,
+                                                     "batch_tokens": 64, "save_every": 0})
+    assert r["steps"] == 1 and r["rows"] >= 1
 
 
 def test_heldout_loss_goes_down(trained):
@@ -186,6 +286,31 @@ def test_time_limit_refits_the_schedule(engine_dir, convs, tmp_path, monkeypatch
     r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": 10_000, "save_every": 0, "ttt_steps": 1},
               time_limit=20)
     assert (r["steps"], r["planned_steps"]) == (13, 13) and clock["t"] <= 21
+
+
+def test_time_limit_leaves_room_for_the_last_checkpoint(engine_dir, convs, tmp_path, monkeypatch):
+    """Steps of 1 s, checkpoints of 3 s every 4 steps: from the first one on, the schedule keeps the longest save's
+    time free, so the checkpoint after the last step ends by the limit (start 1 s, limit 20 s: 10 steps, the last
+    save ending at 20 s; without that room the 12th step's save would end at 22 s)."""
+    clock = {"t": 1.0}
+    real_clip, real_save = torch.nn.utils.clip_grad_norm_, torch.save
+
+    def clip(*args, **kw):
+        clock["t"] += 1
+        return real_clip(*args, **kw)
+
+    def save(*args, **kw):
+        clock["t"] += 3
+        return real_save(*args, **kw)
+
+    monkeypatch.setattr(train_draft, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(train_draft, "PROBE_STEPS", 2)
+    r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": 10_000, "save_every": 4, "ttt_steps": 1},
+              time_limit=20)
+    assert clock["t"] <= 21 and r["steps"] == 10
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 10
 
 
 def test_resume_matches_uninterrupted_run(engine_dir, convs, trained, tmp_path, monkeypatch):

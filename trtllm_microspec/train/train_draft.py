@@ -189,10 +189,12 @@ def pack(seqs: list[tuple[np.ndarray, np.ndarray]], max_len: int, device) -> lis
         pad = max_len - sum(len(ids) for ids, _ in g)
         g = g + [(np.zeros(pad, dtype=np.int64), np.zeros(pad, dtype=bool))] if pad else g
         doc = torch.cat([torch.full((len(ids),), j) for j, (ids, _) in enumerate(g)])
-        p = Pack(torch.from_numpy(np.concatenate([ids for ids, _ in g])).to(device),
-                 torch.cat([torch.arange(len(ids)) for ids, _ in g]).to(device), doc.to(device),
-                 torch.from_numpy(np.concatenate([a for _, a in g])).to(device), 0, max_len - pad)
-        p.n = int(p.valid(0).sum())
+        p = Pack(torch.from_numpy(np.concatenate([ids for ids, _ in g])),
+                 torch.cat([torch.arange(len(ids)) for ids, _ in g]), doc,
+                 torch.from_numpy(np.concatenate([a for _, a in g])), 0, max_len - pad)
+        p.n = int(p.valid(0).sum())  # on the host: on the device it is a sync (and ~8 launches) per row
+        p.tokens, p.positions, p.doc, p.assistant = (t.to(device) for t in (p.tokens, p.positions, p.doc,
+                                                                             p.assistant))
         packs.append(p)
     return packs
 
@@ -218,7 +220,8 @@ class FeatureStore:
     """Device memory for the cached features of up to `rows` rows, taken in one allocation per tensor at the first
     row: thousands of row-sized tensors, each allocated between one forward's temporaries, left the caching
     allocator's segments in pieces (an EAGLE-3 recipe run on the H200 ran out of memory with 41 GiB reserved but
-    unused). Rows past `rows` keep their own tensors."""
+    unused). Rows past `rows` keep their own tensors. The rows' features are views of its buffers: the memory goes
+    back when the store and every row's features are dropped."""
 
     def __init__(self, rows: int):
         self.rows, self.used, self.bufs = rows, 0, None
@@ -429,6 +432,14 @@ def init_draft(engine_dir: Path, target: Transformer, device, seed: int, vocab_i
     return draft
 
 
+def _feature_memory(dev: torch.device) -> int | None:
+    """Bytes of device memory the cached features may take: what is free less FEATURE_RESERVE (the training
+    step's own, beyond what the allocator already holds from the probe). None off CUDA: host memory is not sized."""
+    if dev.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(dev)[0] - FEATURE_RESERVE
+
+
 def _cache_timed(target: Transformer, packs: list[Pack], desc: str) -> float:
     """Caches the rows' features; returns the caching rate (tokens/s) measured after the first row. The plan
     times the first training rows, not the held-out ones: those are few and the last is mostly padding (on the
@@ -522,6 +533,8 @@ def spec_eval(engine_dir: Path, draft_dir: Path, device: str | None, max_new_tok
         out[method] = round(tokens / rounds, 3) if rounds else 0.0
         del llm
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # its KV pool back to the device: the next engine sizes its pool from what is free
     return out
 
 
@@ -605,8 +618,9 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
                             "on the CPU, slowly)")
         ce = FusedSoftCE
     torch.manual_seed(seed)
-    # a row must fit the target's KV cache, and its positions + the unrolled steps the rope tables
-    max_len = min(max_len, read_config(engine_dir).max_seq_len - EVAL_DEPTHS)
+    # a row must fit the target's KV cache, and its positions + the unrolled steps (training's and the held-out
+    # evaluation's) the rope tables
+    max_len = min(max_len, read_config(engine_dir).max_seq_len - max(EVAL_DEPTHS, ttt_steps))
     target, tok = load_target(engine_dir, dev, dtype, max_seq_len=max_len)
     if arch == "eagle3":  # every cached row keeps the three layers the head reads (Transformer.taps)
         target.taps = tuple(default_taps(target.cfg.num_layers))
@@ -619,8 +633,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         vocab_ids, coverage = frequent_ids(target, seqs, loss_vocab) if loss == "pruned" and loss_vocab < V \
             else (torch.arange(V), 1.0)
         head = None  # the loss is through its own LM head, against the target's rows of its ids (below)
-    first = pack(seqs[:n_first], max_len, dev)
-    train_packs = _shuffled(first, seed) + _shuffled(pack(seqs[n_first:], max_len, dev), seed + 1)
+    train_packs = _shuffled(pack(seqs[:n_first], max_len, dev), seed) + \
+        _shuffled(pack(seqs[n_first:], max_len, dev), seed + 1)
     held_packs = pack(held, max_len, dev)
     del seqs
     _cache_timed(target, held_packs, "held-out")  # (also the caching's warm-up)
@@ -635,7 +649,10 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         ck = out / CHECKPOINT
         if not ck.exists():
             raise UserError(f"--resume: no checkpoint at {ck}")
-        state = torch.load(ck, map_location=dev, weights_only=True)
+        # on the host: load_state_dict copies it to the parameters' device; a device copy would stay referenced
+        # for the whole run, and AdamW's `step` counters loaded onto CUDA (it keeps them on the host) make every
+        # optimizer step read each one back (.item(), a sync per parameter)
+        state = torch.load(ck, map_location="cpu", weights_only=True)
         keep = min(len(train_packs), int(state["key"]["rows"]))  # the rows the interrupted run planned
     elif time_limit is not None:
         probe = train_packs[:PROBE_ROWS + 1]  # the first rows of the caching order: cached in any plan
@@ -645,19 +662,29 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         keep = plan_rows([p.real for p in train_packs], left, cache_rate, rate, epochs)
         print(f"[train-draft] plan: caching {cache_rate:,.0f} tok/s, training {rate:,.0f} tok/s, {left:.0f} s left: "
               f"{keep} of {len(train_packs)} rows ({what}), >= {epochs:g} epochs", file=sys.stderr)
+        del probe  # (rows the plan leaves out drop their features with train_packs below)
     else:
         keep = len(train_packs)
     fits, store = len(train_packs), None
-    if dev.type == "cuda" and not resume:  # the features stay on the device: as many rows as its memory holds
+    free = _feature_memory(dev)
+    if free is not None:  # the features stay on the device: as many rows as its memory holds
         have = sum(p.feats is not None for p in train_packs)  # the probe rows, on the device already
-        free = torch.cuda.mem_get_info(dev)[0] - FEATURE_RESERVE
-        per_token = target.cfg.hidden_size * 2 * (1 + len(target.taps))  # bf16 features (+ EAGLE-3's layers)
-        fits = max(1, min(fits, have + int(max(0, free) // (max_len * per_token))))
+        row = max_len * target.cfg.hidden_size * (1 + len(target.taps)) * dtype.itemsize  # (+ EAGLE-3's layers)
+        fits = min(fits, have + max(0, free) // row)
         if fits < keep:
+            need = f"the features of {keep} rows of {max_len} tokens need {keep * row / 2 ** 30:.1f} GiB of device " \
+                   f"memory; {max(0, free) / 2 ** 30:.1f} GiB is free beside {FEATURE_RESERVE >> 30} GiB for the " \
+                   f"training step"
+            if resume:  # its checkpoint was trained on exactly these rows
+                raise UserError(f"--resume: {need}: resume on a device with more free memory")
+            if not fits:
+                raise UserError(f"{need}: lower --max-len or free the device")
             print(f"[train-draft] device memory holds the features of {fits} of the {keep} planned rows",
                   file=sys.stderr)
             keep = fits
-        store = FeatureStore(fits - have)
+        # the planned rows exactly (the re-plan's rows get a store of their own): the rest of the device stays
+        # free for the training step
+        store = FeatureStore(sum(p.feats is None for p in train_packs[:keep]))
     planned = sum(p.real for p in train_packs[:keep] if p.feats is None)
     until = perf_counter() + CACHE_SLACK * planned / cache_rate if time_limit is not None and not resume else math.inf
     t_cache = perf_counter()
@@ -672,9 +699,12 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
             more = plan_rows([p.real for p in train_packs[keep:fits]], left, measured, rate, epochs)
             extra = sum(p.real for p in train_packs[keep:keep + more])
             print(f"[train-draft] re-plan: caching ran at {measured:,.0f} tok/s: {more} more rows", file=sys.stderr)
+            if store is not None:
+                store = FeatureStore(sum(p.feats is None for p in train_packs[keep:keep + more]))
             cached += target_features(target, train_packs[keep:keep + more], "train",
                                       perf_counter() + CACHE_SLACK * extra / measured, store)
-    train_packs = cached
+    train_packs, store = cached, None  # the rows' features hold the stores' memory, nothing else
+    del cached
 
     total = steps or math.ceil(epochs * len(train_packs) / per_step)
     plan = total  # steps in the LR schedule; --time-limit may change it once measured
@@ -695,6 +725,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     # the command (evaluation and saving included) ends by --time-limit
     deadline = t0 + time_limit - (perf_counter() - t_eval) if time_limit is not None else math.inf
     done, t_probe, seen, fitted = start, None, 0, None
+    save_s = 0.0  # the longest checkpoint save so far: the one after the last step must end by the limit too
     bar = tqdm(total=plan, initial=start, desc="train draft", unit="step", dynamic_ncols=True)
     while done < plan:
         step = done
@@ -718,13 +749,13 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         now = perf_counter()
         if time_limit is not None and done == start + 1:
             t_probe = now  # the first step pays for warm-up: timing starts after it
-        stop = now > deadline  # the plan is an estimate; the limit is not
+        stop = now > deadline - save_s  # the plan is an estimate; the limit is not
         if time_limit is not None and not stop and t_probe is not None and done - start > PROBE_STEPS and (
                 fitted is None or done - fitted >= max(PROBE_STEPS, plan // REFITS)):
             # every step that fits the time left at the step time measured so far: more epochs when there is
             # time; re-fitted over the run, as the first steps (compilation, allocator warm-up) run slower
             per = max(now - t_probe, 1e-9) / (done - start - 1)
-            fit = done + max(0, int((deadline - now) / per))
+            fit = done + max(0, int((deadline - save_s - now) / per))
             plan = min(steps, fit) if steps else fit
             bar.total, fitted = plan, done
         bar.update(1)
@@ -734,8 +765,10 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
                             tok_per_s=f"{seen / max(bar.format_dict['elapsed'], 1e-9):.3g}")
         if save_every and (done % save_every == 0 or done == plan or stop):
             out.mkdir(parents=True, exist_ok=True)
+            t_save = perf_counter()
             torch.save({"key": key, "step": done, "plan": plan, "draft": draft.state_dict(),
                         "opt": opt.state_dict()}, out / CHECKPOINT)
+            save_s = max(save_s, perf_counter() - t_save)
         if stop:
             break
     train_s = bar.format_dict["elapsed"]
@@ -755,6 +788,8 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     print(f"[train-draft] held-out top-1 at depths 1..{EVAL_DEPTHS}: {after['acc']} (start {before['acc']}), "
           f"{done} steps ({r['epochs']} epochs of {tokens:,} tokens), {r['train_s']:.0f} s", file=sys.stderr)
     if eval_tokens:
+        for p in train_packs + held_packs:  # their features (views of the FeatureStores) go back to the device
+            p.feats = p.aux = None
         del train_packs, held_packs, target, draft, opt, head
         gc.collect()
         if dev.type == "cuda":
