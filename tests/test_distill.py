@@ -335,3 +335,12 @@ def test_loss_fused_needs_cuda(engine_dir, tmp_path, capsys, monkeypatch):
               "--device", "cpu", "--steps", "1", "--loss", "fused"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("microspec: error: --loss fused runs a Triton kernel")
+
+
+def test_loss_fused_is_not_for_eagle3(engine_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "4",
+              "--device", "cpu", "--steps", "1", "--loss", "fused", "--arch", "eagle3"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == ("microspec: error: --loss fused is for EAGLE-2 heads: --arch eagle3 trains "
+                                         "its own LM head with --loss pruned or full")

@@ -601,6 +601,9 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         raise UserError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if loss not in LOSSES:
         raise UserError(f"unknown --loss {loss!r}; choose one of {', '.join(LOSSES)}")
+    if arch == "eagle3" and loss == "fused":  # the kernel takes one head; EAGLE-3's loss has two (its, the target's)
+        raise UserError("--loss fused is for EAGLE-2 heads: --arch eagle3 trains its own LM head with --loss pruned "
+                        "or full")
     if loss_vocab < 1 or epochs <= 0:
         raise UserError(f"--loss-vocab and --epochs must be positive, got {loss_vocab} and {epochs}")
     if mix_sharegpt and not distilled:
