@@ -113,38 +113,19 @@ def test_overlap_length_finish(engine_dir, sync):
     assert outs[0] == outs[1]
 
 
-def test_overlap_cancel(over, sync):
+@pytest.mark.parametrize("tight", [False, True])
+def test_overlap_cancel(engine_dir, over, sync, tight):
     """Cancelled while decoding with a step in flight: it keeps the tokens it was given (a prefix of its tokens
-    alone), the one in flight is dropped; the others still get their tokens alone; every block comes back."""
-    ids = prompts(3, [30, 12, 50], seed=8)
-    want = [alone(sync, p, 30) for p in ids]
-    sched = over.scheduler()
-    reqs = [sched.add(p, 30) for p in ids]
-    victim = reqs[1]
-    given = None
-    while not all(r.done for r in reqs):
-        sched.step()
-        if len(victim.out) >= 5 and not victim.done:
-            assert sched.pending and (victim, False) in sched.pending.rows  # its next token in flight
-            sched.cancel(victim)
-            given = list(victim.out)
-    assert victim.stats.stop_reason == "cancelled" and victim.out == given and len(given) < 30
-    assert victim.out == want[1][:len(victim.out)]
-    assert [reqs[0].out, reqs[2].out] == [want[0], want[2]]
-    sched.step()
-    check_pool(sched)
-
-
-def test_overlap_cancel_drain_first(engine_dir, sync):
-    """Cancelled with its next token in flight when the next step drains first (fewer free blocks than running
-    requests: the drain comes before the boundary that lets the request go): that token is dropped as at any
-    other step, not emitted to a request its caller has let go (serving: a job already ended)."""
+    alone), the one in flight is dropped; the others still get their tokens alone; every block comes back. tight:
+    a pool of 8 blocks, so that the next step drains first (fewer free blocks than running requests: the drain
+    comes before the boundary that lets the request go) and the token must be dropped there too, not emitted to a
+    request its caller has let go (serving: a job already ended)."""
     c = sync.target.cfg
-    small = LLM(engine_dir, "ar", device="cpu", max_batch=4, max_num_tokens=64,
-                kv_memory=8 * block_bytes(c, sync.target.cache.k.dtype) / GIB, overlap=True)
+    llm = LLM(engine_dir, "ar", device="cpu", max_batch=4, max_num_tokens=64,
+              kv_memory=8 * block_bytes(c, sync.target.cache.k.dtype) / GIB, overlap=True) if tight else over
     ids = prompts(3, [40, 12, 50], seed=8)
     want = [alone(sync, p, 30) for p in ids]
-    sched = small.scheduler()
+    sched = llm.scheduler()
     reqs = [sched.add(p, 30) for p in ids]
     victim, given = reqs[1], None
     while not all(r.done for r in reqs):
@@ -152,7 +133,7 @@ def test_overlap_cancel_drain_first(engine_dir, sync):
         assert given is None or victim not in [r for r, _ in emitted]
         if given is None and len(victim.out) >= 5 and not victim.done:
             assert sched.pending and (victim, False) in sched.pending.rows  # its next token in flight
-            assert len(sched.blocks.free) < len(sched.running)  # the next step drains before its boundary
+            assert (len(sched.blocks.free) < len(sched.running)) == tight  # does the next step drain first?
             sched.cancel(victim)
             given = list(victim.out)
     assert victim.stats.stop_reason == "cancelled" and victim.out == given and len(given) < 30
