@@ -9,6 +9,7 @@ under a 64-token budget (so prompts still span many steps and share passes with 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -71,13 +72,16 @@ def test_mixed_lengths_equal_alone(llm):
     assert max(r.running for r in recs) >= 5  # many requests in the batch at once
 
 
-def test_preempted_requests_equal_alone(engine_dir, llm):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_preempted_requests_equal_alone(engine_dir, llm, monkeypatch, seeded):
     """A pool of 7 blocks (6 usable: 192 slots) for 6 requests of 40-100 prompt tokens and 40 new ones each: they
     join as their prompts fit, grow, and the ones that joined last are preempted and recomputed, sampled ones too
     (their uniforms are those of their tokens' positions). Each request's tokens are its tokens alone. (A sampled token is the
     same alone and batched unless its uniform falls within fp32 rounding of a boundary of the inverse CDF: the batch's
     GEMM shapes move logits by ~2e-5. Seed 3 for the third request met one such tie, its CDF 2.4e-7 apart; so would
-    the old engine. The seeds here meet none: the test is deterministic on a given machine.)"""
+    the old engine. The seeds here meet none: the test is deterministic on a given machine.) Not seeded: the sampled
+    requests get their seeds when they are added, once (the same three, drawn), so that a recomputed one goes on
+    with its random stream."""
     c = llm.target.cfg
     per_block = block_bytes(c, torch.float32)
     small = LLM(engine_dir, "ar", device="cpu", max_batch=6, max_num_tokens=64, kv_memory=7 * per_block / GIB)
@@ -87,7 +91,12 @@ def test_preempted_requests_equal_alone(engine_dir, llm):
     want = [alone(llm, p, 40, s) for p, s in zip(ids, params)]
     sched = small.scheduler()
     assert sched.blocks.num_blocks == 7
-    reqs = [sched.add(p, 40, s) for p, s in zip(ids, params)]
+    if not seeded:
+        import secrets
+        draws = iter([p.seed for p in params if not p.greedy])
+        monkeypatch.setattr(secrets, "randbits", lambda bits: next(draws))
+    reqs = [sched.add(p, 40, s if seeded else replace(s, seed=None)) for p, s in zip(ids, params)]
+    assert [r.params for r in reqs] == params
     sched.run(reqs)
     assert [r.out for r in reqs] == want
     assert sum(rec.preempted for rec in sched.history) >= 3

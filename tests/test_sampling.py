@@ -128,7 +128,7 @@ def grid_law(choose) -> dict:
     tree = synthetic_tree()
     logits = torch.tensor([P[s] for s in NODES]).log()
     sampler = Sampler(lambda logits: logits.argmax(-1), torch.device("cpu"))
-    sampler.start(0, SamplingParams(temperature=1.0), 4)
+    sampler.start(0, SamplingParams(temperature=1.0, seed=0), 4)
     law = Counter()
     for u in itertools.product([(j + 0.5) / M for j in range(M)], repeat=3):
         sampler.uniform = lambda rows, pos, u=torch.tensor(u): u[pos]  # a node's position here: its tree level

@@ -150,7 +150,7 @@ class Scheduler:
         """Queue a request; a UserError now if it could never run."""
         self.runner.check(prompt, max_new_tokens)
         self.blocks.check(self.runner.slots_for(prompt, max_new_tokens), "this request")
-        req = Request(prompt=list(prompt), max_new_tokens=max_new_tokens, params=params)
+        req = Request(prompt=list(prompt), max_new_tokens=max_new_tokens, params=params.seeded())
         req.stats.prompt_tokens = len(prompt)
         # a step's time counts for every request in it; a round's phases run as one launch: not split
         req.stats.decode_s, req.stats.draft_s, req.stats.verify_s, req.stats.update_s = 0.0, None, None, None

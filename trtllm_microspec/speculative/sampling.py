@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,6 +65,11 @@ class SamplingParams:
     @property
     def filtered(self) -> bool:  # top-k / top-p need a sort over the vocabulary; plain temperature does not
         return self.top_k > 0 or self.top_p < 1
+
+    def seeded(self) -> SamplingParams:
+        """These params with a seed: seed None draws a fresh one here, once per request, so that a request preempted
+        and recomputed goes on with the same random stream."""
+        return replace(self, seed=secrets.randbits(64)) if self.seed is None and not self.greedy else self
 
 
 GREEDY = SamplingParams()
@@ -160,7 +165,7 @@ class Sampler:
             self.top_p[row] = params.top_p
         if params.greedy:
             return
-        seed = secrets.randbits(64) if params.seed is None else params.seed
+        seed = params.seed  # set when the request was added (SamplingParams.seeded)
         # both halves of the 64-bit seed in each word of the key: seeds differing anywhere give other streams
         # (two scalar writes, not a host tensor's copy: that would wait for the GPU's step in flight)
         self.key[row, 0] = fmix32((seed & M32) ^ fmix32(seed >> 32))
