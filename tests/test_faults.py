@@ -335,3 +335,20 @@ def test_soak_loses_nothing(server, offline):
     assert not errors and len(done) >= 20, (errors[:3], len(done))
     g = wait_idle(server)
     assert g["microspec_waiting_requests"] == 0
+
+
+def test_engine_loop_failure_ends_the_model_process(monkeypatch, capsys):
+    """An error that escapes the engine loop ends the model's process with one line (which serve then restarts, as
+    test_model_process_killed_under_load... shows) instead of leaving a ready model with no engine."""
+    import types
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    from trtllm_microspec.serving import triton_model
+
+    model = object.__new__(triton_model.TritonPythonModel)
+    model._loop = lambda: {}["a request's job"]  # a KeyError, as a token for an ended job once raised
+    exits = []
+    monkeypatch.setattr(triton_model.os, "_exit", exits.append)
+    model._engine()
+    assert exits == [1]
+    assert capsys.readouterr().err == ("microspec model: the engine loop failed (KeyError: \"a request's job\"); "
+                                       "ending the model's process\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -181,7 +182,7 @@ class TritonPythonModel:
         # instances (serve --gpus 0,1), hands each request to an engine with room rather than to a full one.
         self.gauges = Gauges({"model": args["model_name"], "instance": args["model_instance_name"]})
         self._report()
-        self.loop = threading.Thread(target=self._loop, name="microspec-engine", daemon=True)
+        self.loop = threading.Thread(target=self._engine, name="microspec-engine", daemon=True)
         self.loop.start()
 
     def execute(self, requests) -> None:
@@ -239,6 +240,18 @@ class TritonPythonModel:
                    end_id=int(end_id[0]) if end_id is not None else None,
                    stop_words=[w for w in (_decode(b, "stop_words") for b in stop) if w] if stop is not None else [],
                    sampling=sampling)
+
+    def _engine(self) -> None:
+        """The engine thread. An error that escapes the loop (a fault of ours: each request's and each step's own
+        errors are handled inside it) ends the model's process: without its engine the model would stay ready
+        while every stream hung. `microspec serve` sees the process die, fails what was in flight and restarts
+        tritonserver (Triton alone restarts a dead stub)."""
+        try:
+            self._loop()
+        except BaseException as e:
+            print(f"microspec model: the engine loop failed ({type(e).__name__}: {one_line(e)}); ending the model's "
+                  f"process", file=sys.stderr, flush=True)
+            os._exit(1)
 
     def _loop(self) -> None:
         """The engine loop: the only thread that runs the model. Each turn takes the new requests, ends the
