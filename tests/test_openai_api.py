@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from trtllm_microspec.llm import LLM  # noqa: E402
 from trtllm_microspec.models.tokenizer import Tokenizer  # noqa: E402
+from trtllm_microspec.serving.client import MAX_STOP_WORDS  # noqa: E402
 from trtllm_microspec.serving.openai_api import OpenAIFront  # noqa: E402
 from trtllm_microspec.serving.server import running, stub_pids  # noqa: E402
 
@@ -239,7 +240,11 @@ BAD = [({"model": "gpt-4"}, 404, "model", "the model 'gpt-4' does not exist"),
        ({"logprobs": True}, 400, "logprobs", "logprobs is not supported"),
        ({"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
        ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "messages.0.role: Input"),
-       ({"messages": [{"role": "user", "content": "hello " * MAX_SEQ_LEN}]}, 400, None, "the prompt has")]
+       ({"messages": [{"role": "user", "content": "hello " * MAX_SEQ_LEN}]}, 400, None, "the prompt has"),
+       # of the union (a string, or a list of text parts) the member the value went into names what is wrong
+       ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+        400, "messages.0.content.0.type", "messages.0.content.0.type: Input should be 'text'"),
+       ({"stop": ["a"] * (MAX_STOP_WORDS + 1)}, 400, "stop", f"stop: at most {MAX_STOP_WORDS} stop sequences")]
 
 
 @pytest.mark.parametrize("change, status, param, message", BAD, ids=[str(b[0])[:40] for b in BAD])
@@ -254,10 +259,14 @@ def test_bad_requests_get_openai_errors(served, change, status, param, message):
 
 def test_bad_bodies_and_routes(served, offline):
     assert raw(served, "POST", "/v1/chat/completions", b"{not json") == (
-        400, {"error": {"message": "the body is not valid JSON", "type": "invalid_request_error", "param": None,
-                        "code": None}})
+        400, {"error": {"message": "the body is not valid JSON: key must be a string at line 1 column 2",
+                        "type": "invalid_request_error", "param": None, "code": None}})
+    # a lone surrogate is no character: a 400 that says where, not a 500 from encoding it for the model
+    status, body = raw(served, "POST", "/v1/completions", b'{"model": "microspec", "prompt": "a\\ud800"}')
+    assert (status, body["error"]["message"]) == (400, "the body is not valid JSON: unexpected end of hex escape at "
+                                                       "line 1 column 42")
     status, body = raw(served, "POST", "/v1/completions", json.dumps({"model": "microspec", "prompt": [1, 2]}).encode())
-    assert status == 400 and body["error"]["param"] == "prompt"
+    assert status == 400 and body["error"]["param"] == "prompt.0"
     status, body = raw(served, "POST", "/v1/completions", json.dumps({"model": "microspec", "prompt": ["a", "b"]})
                        .encode())
     assert status == 400 and body["error"]["message"].startswith("prompt: one prompt per request")

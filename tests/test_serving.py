@@ -190,6 +190,12 @@ def test_stop_words_and_end_id(server, offline):
     ids = offline(PROMPTS[0]).token_ids
     got = client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, end_id=ids[3])
     assert got.text == offline.llm.tokenizer.decode(ids[: ids.index(ids[3])])
+    # a 1 MB stop word that never comes: the text held back at each step is found from the text's tail, not by
+    # comparing each of the word's prefixes (which held the engine loop, and every request, for seconds a step: this
+    # one took 250 s on 2 cores, a 300 KB one 40 s)
+    plain = client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS)
+    got = client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stop_words=["never" * 200_000], timeout=60)
+    assert got.text == want and got.latency_s < 5 * plain.latency_s + 10, (got.latency_s, plain.latency_s)
 
 
 @pytest.mark.parametrize("param, value, message", [
@@ -271,6 +277,10 @@ BAD_REQUESTS = {
     "negative temperature": (client.make_inputs("Hi", 8, sampling={"temperature": -0.5}), "temperature must be"),
     "top_p over 1": (client.make_inputs("Hi", 8, sampling={"top_p": 1.5}), "top_p must be in (0, 1]"),
     "negative top_k": (client.make_inputs("Hi", 8, sampling={"top_k": -1}), "top_k must be an integer >= 0"),
+    "too many stop words": (client.make_inputs("Hi", 8, stop_words=["a"] * (client.MAX_STOP_WORDS + 1)),
+                            f"stop_words: at most {client.MAX_STOP_WORDS} stop words per request, got 33"),
+    "stop word not UTF-8": (raw_inputs(text_input=([b"Hi"], np.object_, "BYTES"), max_tokens=MAX_TOKENS_IN,
+                                       stop_words=([b"\xff"], np.object_, "BYTES")), "stop_words is not valid UTF-8"),
 }
 
 

@@ -21,6 +21,9 @@ from ..engine.stats import percentiles
 from ..models.registry import UserError
 
 MODEL_NAME = "microspec"
+# the most stop words one request may give (OpenAI allows 4): the engine loop searches each one after every step of
+# the whole batch, so a request with thousands would slow every other request down
+MAX_STOP_WORDS = 32
 STAT_OUTPUTS = ("num_input_tokens", "num_output_tokens", "acceptance_length", "mean_active_vocab")
 SAMPLING_INPUTS = {"temperature": (np.float32, "FP32"), "top_p": (np.float32, "FP32"), "top_k": (np.int32, "INT32"),
                    "random_seed": (np.uint64, "UINT64")}

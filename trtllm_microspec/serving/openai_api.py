@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from ..models.registry import UserError
-from .client import FAST_RECONNECT, MODEL_NAME, QUEUE_FULL, error_code, make_inputs
+from .client import FAST_RECONNECT, MAX_STOP_WORDS, MODEL_NAME, QUEUE_FULL, error_code, make_inputs
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # OpenAI's default for completions; chat has none in OpenAI
 # fields of OpenAI's API this server does not serve, and the values that ask for nothing (any other is refused)
@@ -181,6 +181,9 @@ class Front:
                            param="model", code="model_not_found")
         if req.n != 1:
             raise APIError(400, f"n must be 1: this server returns one choice per request, got {req.n}", param="n")
+        if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_WORDS:
+            raise APIError(400, f"stop: at most {MAX_STOP_WORDS} stop sequences per request, got {len(req.stop)}",
+                           param="stop")
         body = req.model_dump()
         for name, allowed in UNSERVED.items():
             if name in body and body[name] not in allowed:
@@ -304,12 +307,14 @@ async def parse(model, request):
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as e:
-        err = e.errors()[0]
+        # of a union's failed members (content: a string, or a list of text parts) the one the value went furthest
+        # into says what is wrong: an image part's type, not "Input should be a valid string"
+        err = max(e.errors(), key=lambda x: len(x.get("loc", ())))
         # the field's path, without pydantic's union-member steps (prompt.str, content.list[ContentPart])
         param = ".".join(str(x) for x in err.get("loc", ()) if isinstance(x, int) or
                          (x.isidentifier() and x not in ("str", "int", "float", "bool"))) or None
-        if err.get("type") == "json_invalid":
-            raise APIError(400, "the body is not valid JSON") from None
+        if err.get("type") == "json_invalid":  # where, and why (a lone surrogate \ud800: a bad hex escape)
+            raise APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'invalid')}") from None
         raise APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid')}", param=param) from None
 
 

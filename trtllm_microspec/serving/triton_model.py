@@ -27,6 +27,7 @@ from ..llm import LLM
 from ..models.registry import UserError
 from ..speculative.sampling import SamplingParams
 from . import tp as tp_serving
+from .client import MAX_STOP_WORDS
 from .server import STOP_FILE_ENV
 
 # SamplingParams field -> the optional request input that sets it (TensorRT-LLM's names); none given: greedy
@@ -75,6 +76,18 @@ def _decode(b: bytes, name: str) -> str:
         return b.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{name} is not valid UTF-8: {e}") from None
+
+
+def _held(text: str, word: str) -> int:
+    """The length of the longest end of `text` that begins `word` (shorter than it). Only where `word`'s first
+    character is are its prefixes compared: the cost is that of the text's tail, however long the word (a 300 KB
+    stop word, compared prefix by prefix, held the engine loop and every request of the batch for 40 s)."""
+    i = text.find(word[0], max(0, len(text) - len(word) + 1))
+    while i >= 0:
+        if word.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(word[0], i + 1)
+    return 0
 
 
 def _numbers(p: dict[str, str]) -> dict[str, int | float]:
@@ -231,6 +244,8 @@ class TritonPythonModel:
         stream, chat, end_id, stop = (_input(request, n) for n in ("stream", "chat", "end_id", "stop_words"))
         if end_id is not None and not 0 <= int(end_id[0]) < self.vocab_size:
             raise UserError(f"end_id must be a token id between 0 and {self.vocab_size - 1}, got {int(end_id[0])}")
+        if stop is not None and len(stop) > MAX_STOP_WORDS:
+            raise UserError(f"stop_words: at most {MAX_STOP_WORDS} stop words per request, got {len(stop)}")
         ids = self.llm.prompt_ids(prompt, bool(chat[0]) if chat is not None else False)
         self.llm.check(ids, max_tokens)  # UserError for a prompt too long for the engine
         given = {k: _input(request, name) for k, name in SAMPLING_INPUTS.items()}
@@ -314,8 +329,7 @@ class TritonPythonModel:
         over = final or end or cut < len(text)
         # streamed: a tail that may begin a stop word waits for the next tokens (else a stop word split over two
         # pieces would be half sent)
-        hold = 0 if over else max((k for w in job.stop_words for k in range(1, len(w)) if text.endswith(w[:k])),
-                                  default=0)
+        hold = 0 if over else max((_held(text, w) for w in job.stop_words), default=0)
         piece, job.text = text[len(job.text):cut - hold], text[:cut - hold]
         if job.stream and piece:
             _send(job.sender, _response(piece))
