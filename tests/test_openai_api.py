@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from trtllm_microspec.llm import LLM  # noqa: E402
 from trtllm_microspec.models.tokenizer import Tokenizer  # noqa: E402
 from trtllm_microspec.serving.client import MAX_STOP_WORDS  # noqa: E402
-from trtllm_microspec.serving.openai_api import OpenAIFront  # noqa: E402
+from trtllm_microspec.serving.openai_api import MAX_BODY_BYTES, OpenAIFront  # noqa: E402
 from trtllm_microspec.serving.server import running, stub_pids  # noqa: E402
 
 from test_serving import SMALL_TREE, free_ports  # noqa: E402
@@ -270,6 +270,10 @@ def test_bad_bodies_and_routes(served, offline):
     status, body = raw(served, "POST", "/v1/completions", json.dumps({"model": "microspec", "prompt": ["a", "b"]})
                        .encode())
     assert status == 400 and body["error"]["message"].startswith("prompt: one prompt per request")
+    # a body over the cap is read to its end and dropped, not parsed: 413, and the client gets it
+    status, body = raw(served, "POST", "/v1/chat/completions", b" " * (MAX_BODY_BYTES + 1))
+    assert (status, body["error"]["message"]) == (413, f"the body is {MAX_BODY_BYTES + 1} bytes: this server takes at "
+                                                       f"most {MAX_BODY_BYTES} (16 MiB)")
     assert raw(served, "GET", "/v1/embeddings")[0] == 404
     assert raw(served, "GET", "/v1/completions")[0] == 405
     with pytest.raises(openai.BadRequestError):  # streamed, a refusal still comes before any event, as a status

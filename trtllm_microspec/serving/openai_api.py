@@ -7,9 +7,10 @@ queue limit, its validation and its metrics. The front only translates: it rende
 own Tokenizer (the same `apply_chat` the model uses for `chat`), so the model sees plain text; stop sequences go to
 the model's `stop_words` (it ends the request there and frees its blocks); a client that goes away cancels the gRPC
 call, which the model sees at its next step. Errors carry OpenAI's body, {"error": {message, type, param, code}}:
-400 a bad body or parameter (the model's own checks included), 404 an unknown model or route, 429 Triton's queue
-is full (--max-queue-size), 503 Triton is shutting down, restarting or unreachable, 500 a fault of the model or ours.
-The gRPC channel reconnects within a second of Triton coming back (a restart after the model's process died).
+400 a bad body or parameter (the model's own checks included), 404 an unknown model or route, 413 a body over
+MAX_BODY_BYTES, 429 Triton's queue is full (--max-queue-size), 503 Triton is shutting down, restarting or
+unreachable, 500 a fault of the model or ours. The gRPC channel reconnects within a second of Triton coming back (a
+restart after the model's process died).
 """
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at run time
 import asyncio
@@ -27,6 +28,10 @@ from typing import Annotated, Literal
 from ..models.registry import UserError
 from .client import FAST_RECONNECT, MAX_STOP_WORDS, MODEL_NAME, QUEUE_FULL, error_code, make_inputs
 
+# the largest body read: far above any prompt an engine takes (the model refuses a text over max_prompt tokens of
+# the longest token's bytes), and a bound on what one request costs the serve process, which parses and renders it
+# on the front's event loop (a 300 MB chat body took it to 2.6 GB and held every other OpenAI request for 9 s)
+MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # OpenAI's default for completions; chat has none in OpenAI
 # fields of OpenAI's API this server does not serve, and the values that ask for nothing (any other is refused)
 UNSERVED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False),
@@ -301,11 +306,20 @@ def ours(handler):
 
 
 async def parse(model, request):
-    """The JSON body as `model` (a request_models class), or a 400 naming the first bad field."""
+    """The JSON body as `model` (a request_models class), or a 400 naming the first bad field; 413 a body over
+    MAX_BODY_BYTES (read to its end and dropped, so that the client gets the answer, not a reset connection)."""
     from pydantic import ValidationError
 
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY_BYTES:
+            body += chunk
+    if size > MAX_BODY_BYTES:
+        raise APIError(413, f"the body is {size} bytes: this server takes at most {MAX_BODY_BYTES} ("
+                            f"{MAX_BODY_BYTES >> 20} MiB)", code="body_too_large")
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(bytes(body))
     except ValidationError as e:
         # of a union's failed members (content: a string, or a list of text parts) the one the value went furthest
         # into says what is wrong: an image part's type, not "Input should be a valid string"
