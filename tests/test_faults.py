@@ -352,3 +352,19 @@ def test_engine_loop_failure_ends_the_model_process(monkeypatch, capsys):
     assert exits == [1]
     assert capsys.readouterr().err == ("microspec model: the engine loop failed (KeyError: \"a request's job\"); "
                                        "ending the model's process\n")
+
+
+def test_held_back_tail_equals_the_prefix_search(monkeypatch):
+    """The end of a streamed text that may begin a stop word (held back until the next tokens) is the longest one the
+    plain search finds, comparing every prefix of the word, on random texts and words over a small alphabet."""
+    import random
+    import types
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    from trtllm_microspec.serving.triton_model import _held
+
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice("ab ") for _ in range(rng.randint(0, 12)))
+        word = "".join(rng.choice("ab ") for _ in range(rng.randint(1, 12)))
+        assert _held(text, word) == max((k for k in range(1, len(word)) if text.endswith(word[:k])), default=0)
+    assert _held("the end of a", "a" * 1_000_000) == 1  # a word far longer than the text: the text's tail only
