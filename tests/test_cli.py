@@ -172,12 +172,17 @@ BAD_KNOBS = [
     ("--max-seq-len", 0, "max_seq_len must be at least 1, got 0"),
     ("--max-seq-len", -5, "max_seq_len must be at least 1, got -5"),
     ("--tp", 0, "tp must be at least 1, got 0"),
-    ("--tp-timeout", 0, "tp_timeout must be positive, got 0.0"),
+    ("--tp-timeout", 0, "tp_timeout must be positive (seconds), got 0.0"),
+    ("--tp-timeout", "nan", "tp_timeout must be positive (seconds), got nan"),
+    ("--tp-timeout", "inf", "tp_timeout must be positive (seconds), got inf"),
     ("--max-batch", 0, "max_batch must be at least 1, got 0"),
     ("--max-num-tokens", 0, "max_num_tokens must be at least 1, got 0"),
     ("--kv-memory", 0, "kv_memory must be positive (a fraction of free GPU memory, or GiB), got 0.0"),
+    ("--kv-memory", "nan", "kv_memory must be positive (a fraction of free GPU memory, or GiB), got nan"),
+    ("--kv-memory", "inf", "kv_memory must be positive (a fraction of free GPU memory, or GiB), got inf"),
     ("--temperature", -1, "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     ("--temperature", "nan", "temperature must be a finite number >= 0"),
+    ("--temperature", "1e300", "temperature must be at most 3.403e+38, got 1e+300"),  # over a float32
     ("--top-p", 0, "top_p must be in (0, 1], got 0.0"),
     ("--top-p", 1.5, "top_p must be in (0, 1], got 1.5"),
     ("--top-k", -1, "top_k must be an integer >= 0 (0 = no limit), got -1"),
@@ -388,6 +393,38 @@ MESSAGES = [
     ("an engine whose config.json is a list",
      lambda c, e, d, t: run(c, *gen(config_copy(e, t, "[1]"), "--prompt", "hi")),
      ["config.json: a JSON list, not an object of model settings"]),
+    ("a prompts file that is not text",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write_bytes(t / "p.txt", bytes(range(256))))),
+     ["p.txt is not UTF-8 text (byte 128): give prompts one per line, or a JSON list of strings"]),
+    ("a prompts file of blank lines (spaces)",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write(t / "p.txt", "  \n\n \t\n"))), ["holds no prompts"]),
+    ("a KV pool larger than the machine",
+     lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--kv-memory", 1e6)),
+     ["the KV-cache pool (--kv-memory, in GiB here) needs 1e+06 GiB; the cpu has"]),
+    ("a max_batch whose block table is larger than the machine",
+     lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--max-batch", 10 ** 12)),
+     ["the block table of max_batch 1000000000000 needs", "GiB; the cpu has"]),
+    ("a CPU device with an index", lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--device", "cpu:7")),
+     ["unknown device 'cpu:7'; use cpu, cuda or cuda:N"]),
+    ("a torch device type that is not cpu or cuda",
+     lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--device", "meta")), ["unknown device 'meta'"]),
+    ("build --out an existing file",
+     lambda c, e, d, t: run(c, "build", "smollm2-135m", "--out", write(t / "f", "x")),
+     ["--out", "is a file, not an engine directory"]),
+    ("build --max-seq-len past the model's context",
+     lambda c, e, d, t: last_line(run(c, "build", "smollm2-135m", "--out", t / "e", "--max-seq-len", 10 ** 12)),
+     ["max_seq_len 1000000000000 is more than the model's context of 8192 tokens"]),
+    ("build-freq --limit 0", lambda c, e, d, t: run(c, "build-freq", "--engine", e, "--limit", 0),
+     ["--limit must be at least 1, got 0"]),
+    ("build-freq of an empty corpus",
+     lambda c, e, d, t: run(c, "build-freq", "--engine", e, "--corpus", write(t / "c.txt", "")),
+     ["c.txt holds no text to count; token_freq.safetensors is left as it was"]),
+    ("build-freq of a corpus that is not text",
+     lambda c, e, d, t: run(c, "build-freq", "--engine", e, "--corpus", write_bytes(t / "c.txt", bytes(range(256)))),
+     ["c.txt is not UTF-8 text (byte 128)"]),
+    ("build-freq of a .jsonl corpus with a line that is not JSON",
+     lambda c, e, d, t: run(c, "build-freq", "--engine", e, "--corpus", write(t / "c.jsonl", '{"text": "a"}\n{"te')),
+     ["c.jsonl:2: not a JSON line ("]),
     ("a long prompt, ar, --prompt",
      lambda c, e, d, t: run(c, *gen(e, "--prompt", LONG, "--max-seq-len", 64)), [long_prompt_message("ar")]),
     ("a long prompt, ar, --prompts-file",
@@ -411,6 +448,17 @@ MESSAGES = [
 
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
+    return path
+
+
+def last_line(result):
+    """build prints its progress (loading the source) before the error that needs the loaded config."""
+    code, out, err = result
+    return code, out, err.strip().splitlines()[-1]
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
     return path
 
 

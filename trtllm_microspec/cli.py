@@ -168,8 +168,11 @@ def read_prompts(path: str) -> list[str]:
         text = Path(path).read_text()
     except OSError as e:
         raise UserError(f"cannot read the prompts file {path}: {e.strerror}") from None
-    try:
-        prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln]
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}): give prompts one per line, or a JSON list of "
+                        "strings") from None
+    try:  # a line of only spaces is a blank line, not a prompt
+        prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln.strip()]
     except ValueError as e:
         raise UserError(f"{path} is not a JSON list of prompts: {e}") from None
     if not prompts:
