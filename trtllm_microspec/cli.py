@@ -327,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # inside: the sub-commands' modules import torch (Ctrl-C there too)
         args.func(args)
     except UserError as e:
         print(f"microspec: error: {e}", file=sys.stderr)
@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"microspec: error: rank {parallel.rank()} of {parallel.world()}: {one_line(e)}", file=sys.stderr)
         os._exit(1)  # not sys.exit: tearing the process group down would wait on the missing rank
     except KeyboardInterrupt:
+        print("microspec: interrupted", file=sys.stderr)
         sys.exit(130)
 
 

@@ -27,7 +27,7 @@ def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
     for q in (p, *p.parents):
         if q.exists():
             if not q.is_dir():
-                raise UserError(f"{flag} {p}: {q} is a file, not a directory")
+                raise UserError(f"{flag} {p}{'' if q == p else f': {q}'} is a file, not a directory")
             break
     return p
 
