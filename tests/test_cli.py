@@ -65,6 +65,23 @@ def test_fetch_bad_key_subprocess():
     assert_user_error((r.returncode, r.stdout, r.stderr), "valid keys")
 
 
+def test_ctrl_c_is_one_line(engine):
+    """SIGINT while generate streams: exit 130 and one line, no traceback."""
+    import signal
+
+    argv = gen(engine, "--prompt", "Write a long story about a dragon.", "--chat", "--max-new-tokens", 2000)
+    p = subprocess.Popen([sys.executable, "-m", "trtllm_microspec.cli", *map(str, argv)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        p.stdout.read(1)  # the first piece of the stream: the model is loaded and decoding
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "microspec: interrupted", err
+
+
 def test_generate_json(capsys, engine, random_draft_dir):
     code, out, err = run(capsys, *gen(engine, "--prompt", "What is the capital of France?", "--chat",
                                       "--max-new-tokens", "6", "--json"))
@@ -410,7 +427,7 @@ MESSAGES = [
      lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--device", "meta")), ["unknown device 'meta'"]),
     ("build --out an existing file",
      lambda c, e, d, t: run(c, "build", "smollm2-135m", "--out", write(t / "f", "x")),
-     ["--out", "is a file, not an engine directory"]),
+     ["--out", "is a file, not a directory"]),
     ("build --max-seq-len past the model's context",
      lambda c, e, d, t: last_line(run(c, "build", "smollm2-135m", "--out", t / "e", "--max-seq-len", 10 ** 12)),
      ["max_seq_len 1000000000000 is more than the model's context of 8192 tokens"]),
