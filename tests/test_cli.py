@@ -65,6 +65,23 @@ def test_fetch_bad_key_subprocess():
     assert_user_error((r.returncode, r.stdout, r.stderr), "valid keys")
 
 
+def test_ctrl_c_is_one_line(engine):
+    """SIGINT while generate streams: exit 130 and one line, no traceback."""
+    import signal
+
+    argv = gen(engine, "--prompt", "Write a long story about a dragon.", "--chat", "--max-new-tokens", 2000)
+    p = subprocess.Popen([sys.executable, "-m", "trtllm_microspec.cli", *map(str, argv)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        p.stdout.read(1)  # the first piece of the stream: the model is loaded and decoding
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "microspec: interrupted", err
+
+
 def test_generate_json(capsys, engine, random_draft_dir):
     code, out, err = run(capsys, *gen(engine, "--prompt", "What is the capital of France?", "--chat",
                                       "--max-new-tokens", "6", "--json"))
@@ -172,12 +189,17 @@ BAD_KNOBS = [
     ("--max-seq-len", 0, "max_seq_len must be at least 1, got 0"),
     ("--max-seq-len", -5, "max_seq_len must be at least 1, got -5"),
     ("--tp", 0, "tp must be at least 1, got 0"),
-    ("--tp-timeout", 0, "tp_timeout must be positive, got 0.0"),
+    ("--tp-timeout", 0, "tp_timeout must be positive (seconds), got 0.0"),
+    ("--tp-timeout", "nan", "tp_timeout must be positive (seconds), got nan"),
+    ("--tp-timeout", "inf", "tp_timeout must be positive (seconds), got inf"),
     ("--max-batch", 0, "max_batch must be at least 1, got 0"),
     ("--max-num-tokens", 0, "max_num_tokens must be at least 1, got 0"),
     ("--kv-memory", 0, "kv_memory must be positive (a fraction of free GPU memory, or GiB), got 0.0"),
+    ("--kv-memory", "nan", "kv_memory must be positive (a fraction of free GPU memory, or GiB), got nan"),
+    ("--kv-memory", "inf", "kv_memory must be positive (a fraction of free GPU memory, or GiB), got inf"),
     ("--temperature", -1, "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     ("--temperature", "nan", "temperature must be a finite number >= 0"),
+    ("--temperature", "1e300", "temperature must be at most 3.403e+38, got 1e+300"),  # over a float32
     ("--top-p", 0, "top_p must be in (0, 1], got 0.0"),
     ("--top-p", 1.5, "top_p must be in (0, 1], got 1.5"),
     ("--top-k", -1, "top_k must be an integer >= 0 (0 = no limit), got -1"),
@@ -388,6 +410,70 @@ MESSAGES = [
     ("an engine whose config.json is a list",
      lambda c, e, d, t: run(c, *gen(config_copy(e, t, "[1]"), "--prompt", "hi")),
      ["config.json: a JSON list, not an object of model settings"]),
+    ("a prompts file that is not text",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write_bytes(t / "p.txt", bytes(range(256))))),
+     ["p.txt is not UTF-8 text (byte 128): give prompts one per line, or a JSON list of strings"]),
+    ("a prompts file of blank lines (spaces)",
+     lambda c, e, d, t: run(c, *gen(e, "--prompts-file", write(t / "p.txt", "  \n\n \t\n"))), ["holds no prompts"]),
+    ("a KV pool larger than the machine",
+     lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--kv-memory", 1e6)),
+     ["the KV-cache pool (--kv-memory, in GiB here) needs 1e+06 GiB; the cpu has"]),
+    ("a max_batch whose block table is larger than the machine",
+     lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--max-batch", 10 ** 12)),
+     ["the block table of max_batch 1000000000000 needs", "GiB; the cpu has"]),
+    ("a CPU device with an index", lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--device", "cpu:7")),
+     ["unknown device 'cpu:7'; use cpu, cuda or cuda:N"]),
+    ("a torch device type that is not cpu or cuda",
+     lambda c, e, d, t: run(c, *gen(e, "--prompt", "hi", "--device", "meta")), ["unknown device 'meta'"]),
+    ("build --out an existing file",
+     lambda c, e, d, t: run(c, "build", "smollm2-135m", "--out", write(t / "f", "x")),
+     ["--out", "is a file, not a directory"]),
+    ("build --max-seq-len past the model's context",
+     lambda c, e, d, t: last_line(run(c, "build", "smollm2-135m", "--out", t / "e", "--max-seq-len", 10 ** 12)),
+     ["max_seq_len 1000000000000 is more than the model's context of 8192 tokens"]),
+    ("build-freq --limit 0", lambda c, e, d, t: run(c, "build-freq", "--engine", e, "--limit", 0),
+     ["--limit must be at least 1, got 0"]),
+    ("build-freq of an empty corpus",
+     lambda c, e, d, t: run(c, "build-freq", "--engine", e, "--corpus", write(t / "c.txt", "")),
+     ["c.txt holds no text to count; token_freq.safetensors is left as it was"]),
+    ("build-freq of a corpus that is not text",
+     lambda c, e, d, t: run(c, "build-freq", "--engine", e, "--corpus", write_bytes(t / "c.txt", bytes(range(256)))),
+     ["c.txt is not UTF-8 text (byte 128)"]),
+    ("build-freq of a .jsonl corpus with a line that is not JSON",
+     lambda c, e, d, t: run(c, "build-freq", "--engine", e, "--corpus", write(t / "c.jsonl", '{"text": "a"}\n{"te')),
+     ["c.jsonl:2: not a JSON line ("]),
+    ("bench --categories with no name",
+     lambda c, e, d, t: run(c, "bench", "--engine", e, "--device", "cpu", "--categories", ",", "--out", t / "b"),
+     ["--categories is empty; choose from mt_bench"]),
+    ("bench --warmup -1", lambda c, e, d, t: run(c, "bench", "--engine", e, "--device", "cpu", "--warmup", -1),
+     ["--warmup must be at least 0, got -1"]),
+    ("bench --out under a file",
+     lambda c, e, d, t: run(c, "bench", "--engine", e, "--device", "cpu", "--out", write(t / "f", "x") / "sub"),
+     ["/f/sub:", "/f is a file, not a directory"]),
+    ("distill --conversations 0",
+     lambda c, e, d, t: run(c, "distill", "--engine", e, "--out", t / "o", "--conversations", 0),
+     ["--conversations must be at least 1, got 0"]),
+    ("distill --time-limit nan",
+     lambda c, e, d, t: run(c, "distill", "--engine", e, "--out", t / "o", "--time-limit", "nan"),
+     ["--time-limit must be positive, got nan"]),
+    ("distill --out a file", lambda c, e, d, t: run(c, "distill", "--engine", e, "--out", write(t / "f", "x")),
+     ["is a file, not a directory"]),
+    ("train-draft --lr nan", lambda c, e, d, t: run(c, "train-draft", "--engine", e, "--out", t / "o", "--lr", "nan"),
+     ["--lr must be positive, got nan"]),
+    ("train-draft --heldout nan",
+     lambda c, e, d, t: run(c, "train-draft", "--engine", e, "--out", t / "o", "--heldout", "nan"),
+     ["--heldout must be a fraction in [0, 1), got nan"]),
+    ("train-draft --max-len 1",
+     lambda c, e, d, t: run(c, "train-draft", "--engine", e, "--out", t / "o", "--max-len", 1),
+     ["--max-len must be at least 2, got 1"]),
+    ("train-draft --distill-time nan",
+     lambda c, e, d, t: run(c, "train-draft", "--engine", e, "--out", t / "o", "--distill-time", "nan"),
+     ["--distill-time must be at least 0, got nan"]),
+    ("train-draft --out a file",
+     lambda c, e, d, t: run(c, "train-draft", "--engine", e, "--out", write(t / "f", "x"), "--distill-time", 0),
+     ["is a file, not a directory"]),
+    ("client --requests -1", lambda c, e, d, t: run(c, "client", "--prompt", "hi", "--requests", -1),
+     ["--requests must be at least 0, got -1"]),
     ("a long prompt, ar, --prompt",
      lambda c, e, d, t: run(c, *gen(e, "--prompt", LONG, "--max-seq-len", 64)), [long_prompt_message("ar")]),
     ("a long prompt, ar, --prompts-file",
@@ -411,6 +497,17 @@ MESSAGES = [
 
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
+    return path
+
+
+def last_line(result):
+    """build prints its progress (loading the source) before the error that needs the loaded config."""
+    code, out, err = result
+    return code, out, err.strip().splitlines()[-1]
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
     return path
 
 

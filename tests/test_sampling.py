@@ -56,6 +56,7 @@ def test_per_row_knobs_equal_each_row_alone():
 
 @pytest.mark.parametrize("kw, words", [
     (dict(temperature=-0.1), "temperature must be"), (dict(temperature=float("nan")), "temperature must be"),
+    (dict(temperature=1e300), "temperature must be at most 3.403e"),  # the sampler holds a float32
     (dict(top_p=0.0), "top_p must be in (0, 1]"), (dict(top_p=1.5), "top_p must be in (0, 1]"),
     (dict(top_k=-1), "top_k must be an integer >= 0"), (dict(top_k=2.5), "top_k must be an integer >= 0"),
     (dict(seed=-1), "seed must be an integer"), (dict(seed=2 ** 64), "seed must be an integer"),

@@ -168,8 +168,11 @@ def read_prompts(path: str) -> list[str]:
         text = Path(path).read_text()
     except OSError as e:
         raise UserError(f"cannot read the prompts file {path}: {e.strerror}") from None
-    try:
-        prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln]
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}): give prompts one per line, or a JSON list of "
+                        "strings") from None
+    try:  # a line of only spaces is a blank line, not a prompt
+        prompts = json.loads(text) if text.lstrip().startswith("[") else [ln for ln in text.splitlines() if ln.strip()]
     except ValueError as e:
         raise UserError(f"{path} is not a JSON list of prompts: {e}") from None
     if not prompts:
@@ -324,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # inside: the sub-commands' modules import torch (Ctrl-C there too)
         args.func(args)
     except UserError as e:
         print(f"microspec: error: {e}", file=sys.stderr)
@@ -339,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"microspec: error: rank {parallel.rank()} of {parallel.world()}: {one_line(e)}", file=sys.stderr)
         os._exit(1)  # not sys.exit: tearing the process group down would wait on the missing rank
     except KeyboardInterrupt:
+        print("microspec: interrupted", file=sys.stderr)
         sys.exit(130)
 
 

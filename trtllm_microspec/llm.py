@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,8 +70,8 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
     if max_seq_len is not None:
         need("max_seq_len", max_seq_len, 1)
     need("tp", tp, 1)
-    if tp_timeout <= 0:
-        raise UserError(f"tp_timeout must be positive, got {tp_timeout}")
+    if not 0 < tp_timeout < math.inf:  # NaN fails this too
+        raise UserError(f"tp_timeout must be positive (seconds), got {tp_timeout}")
     if max_batch is not None:
         need("max_batch", max_batch, 1)
     if max_num_tokens is not None:
@@ -78,7 +79,7 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
         if max_batch is not None:  # every running request decodes at least one row a step (a tree: more, runner)
             need("max_num_tokens", max_num_tokens, max_batch, why=f"every one of max_batch {max_batch} requests "
                  "decodes a row each step")
-    if kv_memory is not None and kv_memory <= 0:
+    if kv_memory is not None and not 0 < kv_memory < math.inf:
         raise UserError(f"kv_memory must be positive (a fraction of free GPU memory, or GiB), got {kv_memory}")
 
 

@@ -24,7 +24,7 @@ import torch
 
 from .. import parallel
 from ..engine.stats import percentiles
-from ..models.registry import UserError
+from ..models.registry import UserError, check_out_dir
 from .references import HF, HF_COMPILED, REFERENCES, VLLM, VLLM_EAGLE, make_reference, require_vllm
 
 SPEC_BENCH = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -381,11 +381,16 @@ def cmd_bench(a) -> None:
                             f"end in @{'/@'.join(POLICIES)}: its speculation policy)")
     if {VLLM, VLLM_EAGLE} & set(a.methods):
         require_vllm()  # before any run: the whole benchmark was asked for with it
+    if not a.categories:
+        raise UserError(f"--categories is empty; choose from {', '.join(CATEGORIES)}")
     for c in a.categories:
         if c not in CATEGORIES:
             raise UserError(f"unknown category {c!r}; choose from {', '.join(CATEGORIES)}")
     if a.limit is not None and a.limit < 1:
         raise UserError("--limit must be at least 1")
+    if a.warmup < 0:
+        raise UserError(f"--warmup must be at least 0, got {a.warmup}")
+    check_out_dir(a.out)
     if a.server and not a.concurrency:
         raise UserError("--server measures a running server under load: give --concurrency too")
     if a.requests_per_level is not None and (a.requests_per_level < 1 or not a.concurrency):

@@ -10,6 +10,8 @@ Block 0 is kept out of the free list: padding rows of a batch bucket write there
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from plugins.layers import KV_BLOCK
@@ -25,6 +27,20 @@ def block_bytes(cfg, dtype: torch.dtype) -> int:
     return (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize + 8) * KV_BLOCK
 
 
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory the device has in all (the CPU: the machine's RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(what: str, nbytes: float, device: torch.device) -> None:
+    """Refuse a buffer larger than the whole device in one line, before its allocation fails deep in torch."""
+    total = device_memory(device)
+    if nbytes > total:
+        raise UserError(f"{what} needs {nbytes / GIB:.4g} GiB; the {device.type} has {total / GIB:.4g} GiB in all")
+
+
 def pool_blocks(kv_memory: float, bytes_per_block: int, device: torch.device) -> int:
     """How many blocks the budget holds."""
     if device.type == "cuda" and kv_memory <= 1:
@@ -32,6 +48,7 @@ def pool_blocks(kv_memory: float, bytes_per_block: int, device: torch.device) ->
         budget = free * kv_memory
     else:
         budget = kv_memory * GIB
+        check_fits("the KV-cache pool (--kv-memory, in GiB here)", budget, device)
     return int(budget // bytes_per_block)
 
 

@@ -20,9 +20,14 @@ def pick_device(device: str | None, dtype: str | None = None) -> tuple[torch.dev
     try:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
-        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index is not None):
+        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N")  # torch knows meta, xpu, cpu:7 ...
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but no CUDA device is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices (cuda:0 to "
+                        f"cuda:{torch.cuda.device_count() - 1})")
     if dtype not in (None, "bfloat16", "float16", "float32"):
         raise UserError(f"unknown dtype {dtype!r}; choose bfloat16, float16 or float32")
     return dev, getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)

@@ -36,7 +36,7 @@ from ..speculative.batch_tree import accept, causal_mask, draft_trees, physical,
 from ..speculative.sampling import Sampler, tempered
 from ..speculative.tree import Tree, TreeConfig, causal
 from ..vocab.batched import BatchWindow, batch_vocab
-from .block_manager import BlockManager, block_bytes, pool_blocks
+from .block_manager import BlockManager, block_bytes, check_fits, pool_blocks
 from .graphs import GraphRunner, bucket_for
 from .policy import SpecPolicy, StepCosts, tree_shapes
 
@@ -130,6 +130,8 @@ class BatchRunner:
         self.block_bytes = sum(block_bytes(cfg, dtype) for cfg in (c, draft_cfg) if cfg is not None)
         # table columns: every span (a chunk's, a step's S bucket) reaches at most max_seq_len
         width = -(-c.max_seq_len // KV_BLOCK)
+        # the per-slot buffers grow with max_batch: the block table (int64) is the largest
+        check_fits(f"the block table of max_batch {max_batch}", (max_batch + 1) * width * 8, dev)
         # under --tp every rank schedules alike: the same pool on each (the smallest of their free memories)
         self.blocks = BlockManager(parallel.agree(pool_blocks(kv_memory, self.block_bytes, dev), dev, "min"),
                                    -(-c.max_seq_len // KV_BLOCK))

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .model import ModelConfig
-from .registry import MODELS, UserError, fetch, sha256_file
+from .registry import MODELS, UserError, check_out_dir, fetch, sha256_file
 
 PACKAGED_DRAFTS = Path(__file__).resolve().parents[1] / "drafts"  # trained heads shipped in the package, by model key
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
@@ -127,6 +127,7 @@ def build_engine(source: str, out_dir: str | Path, dtype: str = "bfloat16", max_
     out = Path(out_dir)
     if max_seq_len is not None and max_seq_len < 1:
         raise UserError(f"max_seq_len must be at least 1, got {max_seq_len}")
+    check_out_dir(out)
     if source in MODELS:
         src = fetch(source)
     else:
@@ -135,6 +136,9 @@ def build_engine(source: str, out_dir: str | Path, dtype: str = "bfloat16", max_
             raise UserError(f"{source} is neither a model key ({', '.join(MODELS)}) nor an existing path")
     print(f"building engine from {src} ...", file=sys.stderr, flush=True)
     hf, sd, tok = _load_gguf(src) if src.is_file() else _load_hf_dir(src)
+    context = hf.get("max_position_embeddings")
+    if max_seq_len is not None and context and max_seq_len > context:
+        raise UserError(f"max_seq_len {max_seq_len} is more than the model's context of {context} tokens")
     cfg = config_from_hf(hf, max_seq_len, dtype, _eos_ids(tok, hf), tok.bos_token_id)
     tdtype = getattr(torch, dtype)
     weights = {k.removeprefix("model."): v.to(tdtype).contiguous() for k, v in sd.items()

@@ -20,6 +20,18 @@ class UserError(Exception):
     """An error caused by the user's input: the command line prints it as one line, no traceback."""
 
 
+def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
+    """An output directory that cannot be made (it, or a folder above it, is a file) is one line now, not a
+    FileExistsError when the work is done."""
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                raise UserError(f"{flag} {p}{'' if q == p else f': {q}'} is a file, not a directory")
+            break
+    return p
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     key: str

@@ -284,6 +284,10 @@ def cmd_client(a: argparse.Namespace) -> None:
     from ..cli import sampling_from_args
 
     s = sampling_from_args(a)  # a bad value is one line here, before any request
+    for name, v, lo in (("--max-tokens", a.max_tokens, 1), ("--concurrency", a.concurrency, 1),
+                        ("--requests", a.requests, 0)):
+        if v < lo:
+            raise UserError(f"{name} must be at least {lo}, got {v}")
     sampling = {"temperature": s["temperature"], "top_p": s["top_p"], "top_k": s["top_k"],
                 **({"random_seed": s["seed"]} if s["seed"] is not None else {})}
     kw = dict(stream=not a.no_stream, chat=a.chat, end_id=a.end_id, stop_words=a.stop, model=a.model,

@@ -17,7 +17,7 @@ from torch import nn
 from plugins import layers
 
 from ..models.model import Block, KVCache, ModelConfig, Span, Transformer, rope_tables
-from ..models.registry import UserError
+from ..models.registry import UserError, check_out_dir
 
 
 class EagleDraft(nn.Module):
@@ -110,6 +110,7 @@ def build_draft(checkpoint: str | Path, target_engine: str | Path, out_dir: str 
     from .eagle3 import convert, is_eagle3, layout_of, read_target_embed, save_draft3
 
     ck, target_engine = Path(checkpoint), Path(target_engine)
+    check_out_dir(out_dir)
     tcfg = ModelConfig.load(target_engine / "config.json") if (target_engine / "config.json").exists() else None
     if tcfg is None:
         raise UserError(f"{target_engine} is not an engine directory")

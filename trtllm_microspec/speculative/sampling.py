@@ -39,6 +39,8 @@ import torch
 from .. import parallel
 from ..models.registry import UserError
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -51,6 +53,8 @@ class SamplingParams:
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if t > FLOAT32_MAX:  # the sampler holds it as a float32
+            raise UserError(f"temperature must be at most {FLOAT32_MAX:.4g}, got {t!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {p!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ from time import perf_counter
 import numpy as np
 from tqdm import tqdm
 
-from ..models.registry import UserError
+from ..models.registry import UserError, check_out_dir
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -138,8 +139,11 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
     for name, v, lo in (("--turns", turns, 1), ("--max-tokens", max_tokens, 1), ("--max-prompt", max_prompt, 1)):
         if v < lo:
             raise UserError(f"{name} must be at least {lo}, got {v}")
-    if time_limit is not None and time_limit <= 0:
+    if conversations is not None and conversations < 1:
+        raise UserError(f"--conversations must be at least 1, got {conversations}")
+    if time_limit is not None and not 0 < time_limit < math.inf:  # NaN fails this too
         raise UserError(f"--time-limit must be positive, got {time_limit}")
+    check_out_dir(out)
     SamplingParams(temperature, top_p, top_k, seed)  # bad sampling values end the command now
     engine_dir, out = resolve_engine(engine), Path(out)
     settings = {"turns": turns, "max_tokens": max_tokens, "max_prompt": max_prompt,

@@ -77,7 +77,7 @@ from tqdm import tqdm
 from plugins import layers
 
 from ..models.model import KVCache, Span, Transformer
-from ..models.registry import UserError
+from ..models.registry import UserError, check_out_dir
 from ..models.tokenizer import Tokenizer
 from ..speculative.eagle import EagleDraft, _target_record, draft_config, save_draft
 from ..speculative.eagle3 import Eagle3Draft, default_taps, draft3_config, save_draft3
@@ -604,8 +604,19 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     if arch == "eagle3" and loss == "fused":  # the kernel takes one head; EAGLE-3's loss has two (its, the target's)
         raise UserError("--loss fused is for EAGLE-2 heads: --arch eagle3 trains its own LM head with --loss pruned "
                         "or full")
-    if loss_vocab < 1 or epochs <= 0:
+    if loss_vocab < 1 or not 0 < epochs < math.inf:
         raise UserError(f"--loss-vocab and --epochs must be positive, got {loss_vocab} and {epochs}")
+    for name, v, lo in (("--max-len", max_len, 2), ("--batch-tokens", batch_tokens, 1), ("--save-every", save_every, 0),
+                        ("--steps", 1 if steps is None else steps, 1)):
+        if v < lo:  # a row needs an input and a next token
+            raise UserError(f"{name} must be at least {lo}, got {v}")
+    if not 0 < lr < math.inf:  # NaN fails these too
+        raise UserError(f"--lr must be positive, got {lr}")
+    if not 0 <= heldout < 1:
+        raise UserError(f"--heldout must be a fraction in [0, 1), got {heldout}")
+    if time_limit is not None and not 0 < time_limit < math.inf:
+        raise UserError(f"--time-limit must be positive, got {time_limit}")
+    check_out_dir(out)
     if mix_sharegpt and not distilled:
         raise UserError("--mix-sharegpt mixes ShareGPT into --data DIR: give --data")
     if eval_tokens:
@@ -811,7 +822,7 @@ def cmd_train_draft(a) -> None:
     if not methods or any(m not in EVAL_METHODS for m in methods):
         raise UserError(f"--eval-methods: a comma-separated subset of {','.join(EVAL_METHODS)}, got {a.eval_methods!r}")
     t0, time_limit, data, distilled, mix = perf_counter(), a.time_limit, a.data, None, a.mix_sharegpt
-    if a.distill_time is not None and a.distill_time < 0:
+    if a.distill_time is not None and not 0 <= a.distill_time < math.inf:  # NaN fails this too
         raise UserError(f"--distill-time must be at least 0, got {a.distill_time}")
     if a.distill_time is None and time_limit is not None and data is None:
         # the recipe: a share of the time distills the target's own answers, mixed with ShareGPT for the rest

@@ -31,17 +31,21 @@ def corpus_texts(corpus: str, limit: int | None = None) -> list[str]:
     if not p.is_file() or p.suffix not in (".txt", ".jsonl"):
         raise UserError(f"corpus {corpus} is neither 'sharegpt' nor a .txt/.jsonl file")
     texts = []
-    with open(p, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
-                break
-            if p.suffix == ".txt":
-                texts.append(line)
-            elif line.strip():
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines(keepends=True)  # a .txt line keeps its newline token
+    except UnicodeDecodeError as e:
+        raise UserError(f"corpus {p} is not UTF-8 text (byte {e.start})") from None
+    for i, line in enumerate(lines[:limit]):
+        if p.suffix == ".txt":
+            texts.append(line)
+        elif line.strip():
+            try:
                 rec = json.loads(line)
-                if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                    raise UserError(f"{p}:{i + 1}: a .jsonl corpus needs a \"text\" string on every line")
-                texts.append(rec["text"])
+            except ValueError as e:
+                raise UserError(f"{p}:{i + 1}: not a JSON line ({e})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise UserError(f"{p}:{i + 1}: a .jsonl corpus needs a \"text\" string on every line")
+            texts.append(rec["text"])
     return texts
 
 
@@ -66,8 +70,12 @@ def build_freq(engine_dir: Path, corpus: str = "sharegpt", limit: int | None = N
     from ..llm import FREQ_FILE
     from ..models.tokenizer import Tokenizer
 
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be at least 1, got {limit}")
     cfg = read_config(engine_dir)
     counts = count_tokens(Tokenizer(engine_dir), corpus_texts(corpus, limit), cfg.vocab_size)
+    if not counts.any():  # all-zero counts would replace a good ranking with plain id order
+        raise UserError(f"corpus {corpus} holds no text to count; {FREQ_FILE} is left as it was")
     out = Path(engine_dir) / FREQ_FILE
     save_file({"ranked_ids": rank(counts), "counts": counts}, out)
     return out
