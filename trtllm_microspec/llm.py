@@ -23,7 +23,7 @@ from . import parallel
 from .engine.loader import load_target, one_line, pick_device, read_config
 from .engine.policy import POLICIES, tree_shapes
 from .engine.runner import check_request, round_reserve
-from .models.registry import MODELS, UserError, cache_dir
+from .models.registry import MODELS, UserError, cache_dir, need
 from .speculative.sampling import SamplingParams
 from .speculative.tree import tree_for
 from .vocab.strategies import METHODS, make_vocab
@@ -52,11 +52,6 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
                 kv_memory: float | None = None, max_num_tokens: int | None = None) -> None:
     """Refuse knobs the engine cannot run, in one line, before they fail deep inside a kernel (a window of 0 ids
     divides by zero, a top-k over fewer candidates than k is out of range, a negative length is a negative size)."""
-    def need(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
-        if value < lo or (hi is not None and value > hi):
-            bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-            raise UserError(f"{name} must be {bounds}{f' ({why})' if why else ''}, got {value}")
-
     vocab = f"the vocabulary has {vocab_size} ids"
     need("the tree's top_k", top_k, 1, vocab_size, vocab)
     need("depth", depth, 1)

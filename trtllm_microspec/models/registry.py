@@ -20,6 +20,13 @@ class UserError(Exception):
     """An error caused by the user's input: the command line prints it as one line, no traceback."""
 
 
+def need(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
+    """A count or knob out of its range is one line: "NAME must be at least LO (WHY), got VALUE"."""
+    if value < lo or (hi is not None and value > hi):
+        bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise UserError(f"{name} must be {bounds}{f' ({why})' if why else ''}, got {value}")
+
+
 def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
     """An output directory that cannot be made (it, or a folder above it, is a file) is one line now, not a
     FileExistsError when the work is done."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engine.stats import percentiles
-from ..models.registry import UserError
+from ..models.registry import UserError, need
 
 MODEL_NAME = "microspec"
 # the most stop words one request may give (OpenAI allows 4): the engine loop searches each one after every step of
@@ -286,8 +286,7 @@ def cmd_client(a: argparse.Namespace) -> None:
     s = sampling_from_args(a)  # a bad value is one line here, before any request
     for name, v, lo in (("--max-tokens", a.max_tokens, 1), ("--concurrency", a.concurrency, 1),
                         ("--requests", a.requests, 0)):
-        if v < lo:
-            raise UserError(f"{name} must be at least {lo}, got {v}")
+        need(name, v, lo)
     sampling = {"temperature": s["temperature"], "top_p": s["top_p"], "top_k": s["top_k"],
                 **({"random_seed": s["seed"]} if s["seed"] is not None else {})}
     kw = dict(stream=not a.no_stream, chat=a.chat, end_id=a.end_id, stop_words=a.stop, model=a.model,

@@ -38,7 +38,7 @@ from time import perf_counter
 import numpy as np
 from tqdm import tqdm
 
-from ..models.registry import UserError, check_out_dir
+from ..models.registry import UserError, check_out_dir, need
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -137,8 +137,7 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
 
     t0 = perf_counter()
     for name, v, lo in (("--turns", turns, 1), ("--max-tokens", max_tokens, 1), ("--max-prompt", max_prompt, 1)):
-        if v < lo:
-            raise UserError(f"{name} must be at least {lo}, got {v}")
+        need(name, v, lo)
     if conversations is not None and conversations < 1:
         raise UserError(f"--conversations must be at least 1, got {conversations}")
     if time_limit is not None and not 0 < time_limit < math.inf:  # NaN fails this too

@@ -77,7 +77,7 @@ from tqdm import tqdm
 from plugins import layers
 
 from ..models.model import KVCache, Span, Transformer
-from ..models.registry import UserError, check_out_dir
+from ..models.registry import UserError, check_out_dir, need
 from ..models.tokenizer import Tokenizer
 from ..speculative.eagle import EagleDraft, _target_record, draft_config, save_draft
 from ..speculative.eagle3 import Eagle3Draft, default_taps, draft3_config, save_draft3
@@ -608,8 +608,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         raise UserError(f"--loss-vocab and --epochs must be positive, got {loss_vocab} and {epochs}")
     for name, v, lo in (("--max-len", max_len, 2), ("--batch-tokens", batch_tokens, 1), ("--save-every", save_every, 0),
                         ("--steps", 1 if steps is None else steps, 1)):
-        if v < lo:  # a row needs an input and a next token
-            raise UserError(f"{name} must be at least {lo}, got {v}")
+        need(name, v, lo)  # (--max-len: a row needs an input and a next token)
     if not 0 < lr < math.inf:  # NaN fails these too
         raise UserError(f"--lr must be positive, got {lr}")
     if not 0 <= heldout < 1:
@@ -686,13 +685,13 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         row = max_len * target.cfg.hidden_size * (1 + len(target.taps)) * dtype.itemsize  # (+ EAGLE-3's layers)
         fits = min(fits, have + max(0, free) // row)
         if fits < keep:
-            need = f"the features of {keep} rows of {max_len} tokens need {keep * row / 2 ** 30:.1f} GiB of device " \
-                   f"memory; {max(0, free) / 2 ** 30:.1f} GiB is free beside {FEATURE_RESERVE >> 30} GiB for the " \
-                   f"training step"
+            short = f"the features of {keep} rows of {max_len} tokens need {keep * row / 2 ** 30:.1f} GiB of device " \
+                    f"memory; {max(0, free) / 2 ** 30:.1f} GiB is free beside {FEATURE_RESERVE >> 30} GiB for the " \
+                    f"training step"
             if resume:  # its checkpoint was trained on exactly these rows
-                raise UserError(f"--resume: {need}: resume on a device with more free memory")
+                raise UserError(f"--resume: {short}: resume on a device with more free memory")
             if not fits:
-                raise UserError(f"{need}: lower --max-len or free the device")
+                raise UserError(f"{short}: lower --max-len or free the device")
             print(f"[train-draft] device memory holds the features of {fits} of the {keep} planned rows",
                   file=sys.stderr)
             keep = fits
