@@ -72,6 +72,9 @@ class Span:
     new: torch.Tensor  # [B, T, m] bool ([T, m]: B = 1)
     S: int
     block_table: torch.Tensor | None = None  # [B, blocks] long, blocks * KV_BLOCK >= S; None: the identity
+    # the rows' physical slots, when the caller has them already: a draft round maps every expansion step's slots in
+    # one set of ops (batch_tree.draft_trees) instead of ~6 kernels in each step's forward
+    phys: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)  # the reference's [B, T, S] masks, one per window
     _slot_map: torch.Tensor | None = field(default=None, repr=False)
 
@@ -89,6 +92,8 @@ class Span:
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """The logical slots of the B * T rows -> their physical slots in the pool."""
+        if self.phys is not None:
+            return self.phys
         b = torch.arange(slots.numel(), device=slots.device) // self.new.shape[1]
         return self.block_table[b, slots // KV_BLOCK] * KV_BLOCK + slots % KV_BLOCK
 

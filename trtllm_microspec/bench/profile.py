@@ -238,9 +238,15 @@ def trace(sched, target, a, g) -> list[str]:
 
     out = [f"## --trace: batch {B} under torch.profiler", "",
            "| range | count | host ms (total) | GPU ms (total, kernels in the range) |", "|---|---:|---:|---:|"]
+    n_steps = 0
     for e in avg:
         if e.key in ("step with prompt chunks", "decode-only step"):
+            n_steps += e.count
             out.append(f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.1f} | {dev(e) / 1e3:.1f} |")
+    n_steps = max(n_steps, 1)
+    if cuda:  # CUPTI records the kernels inside a CUDA-graph replay one by one, so this counts a graphed step too
+        launched = sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memset"))
+        out += ["", f"GPU kernels per step: {launched / n_steps:.0f} ({launched} over {n_steps} steps)"]
     ops = sorted((e for e in avg if e.key.startswith("aten::") or e.key.startswith("triton")),
                  key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     out += ["", "host ops by self time:", "", "| op | count | self host ms |", "|---|---:|---:|"]
@@ -248,8 +254,10 @@ def trace(sched, target, a, g) -> list[str]:
     if cuda:
         kernels = sorted((e for e in avg if dev(e, "self_device_time_total") > 0 and "CUDA" in str(e.device_type)),
                          key=lambda e: dev(e, "self_device_time_total"), reverse=True)[:20]
-        out += ["", "GPU kernels by time:", "", "| kernel | count | GPU ms |", "|---|---:|---:|"]
-        out += [f"| {e.key[:90]} | {e.count} | {dev(e, 'self_device_time_total') / 1e3:.1f} |" for e in kernels]
+        out += ["", "GPU kernels by time:", "", "| kernel | count | GPU ms | per step: count | per step: us |",
+                "|---|---:|---:|---:|---:|"]
+        out += [f"| {cell(e.key[:90])} | {e.count} | {dev(e, 'self_device_time_total') / 1e3:.1f} | "
+                f"{e.count / n_steps:.1f} | {dev(e, 'self_device_time_total') / n_steps:.1f} |" for e in kernels]
     for line in out:
         print(f"trace: {line}", flush=True)
     return out

@@ -223,15 +223,20 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pos = torch.zeros(slots, dtype=torch.long, device=device)
+        # only a sliding-window layer reads the slots' positions (attention's k_pos): without one they are never
+        # written, which saves a kernel per forward and two per KV move (a draft round runs ~8 forwards)
+        self.windowed = bool(cfg.sliding_window)
 
     def write_pos(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        self.pos.index_copy_(0, slots, positions)
+        if self.windowed:
+            self.pos.index_copy_(0, slots, positions)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy physical slots src -> dst (both [n]); used to compact the accepted path of a verified tree."""
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
-        self.pos[dst] = self.pos[src]
+        if self.windowed:
+            self.pos[dst] = self.pos[src]
 
 
 class Transformer(nn.Module):

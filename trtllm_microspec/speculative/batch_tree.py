@@ -7,6 +7,8 @@ mask over its own KV), and acceptance is per request. The draft head goes throug
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import torch
 
@@ -21,6 +23,42 @@ def physical(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return table.gather(1, slots // KV_BLOCK) * KV_BLOCK + slots % KV_BLOCK
 
 
+FUSE_DEVICES = {"cuda"}  # where `fused` compiles (the tests add "cpu"); MICROSPEC_COMPILE=0: nowhere
+_COMPILE = os.environ.get("MICROSPEC_COMPILE", "1") != "0"
+
+
+def fused(fn):
+    """fn through torch.compile on CUDA: a round's bookkeeping (the tree's top-k bookkeeping, its selection and
+    ancestor masks, the acceptance) is dozens of tiny index and elementwise ops, each its own kernel of ~3 us in
+    the round's graph; Inductor fuses them into a few Triton kernels, which the round's CUDA graph captures like
+    any other (the first round of a bucket runs eagerly, so each shape compiles before its capture). fn itself is
+    the reference (`fn.plain`) and runs everywhere else; a compile that fails warns once and leaves fn."""
+    state = {}
+
+    @functools.wraps(fn)
+    def run(*args):
+        if not _COMPILE or args[0].device.type not in FUSE_DEVICES or state.get("failed"):
+            return fn(*args)
+        if "compiled" not in state:
+            import torch._dynamo
+
+            # one graph per tree shape (its ints are constants), static then dynamic in the batch dimension
+            cfg = torch._dynamo.config
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(cfg, name):
+                    setattr(cfg, name, max(getattr(cfg, name), 64))
+            state["compiled"] = torch.compile(fn, fullgraph=True)
+        try:
+            return state["compiled"](*args)
+        except Exception as e:  # a toolchain that cannot compile must not stop the engine: fn is correct
+            state["failed"] = True
+            warnings.warn(f"torch.compile of {fn.__name__} failed, it runs unfused: {str(e).splitlines()[0][:200]}")
+            return fn(*args)
+
+    run.plain = fn
+    return run
+
+
 @functools.cache
 def _constants(cfg: TreeConfig, dev: torch.device) -> dict:
     """The index and mask tensors every round of this tree shape uses, made once (a CUDA graph replays them
@@ -29,9 +67,13 @@ def _constants(cfg: TreeConfig, dev: torch.device) -> dict:
     pool = k + depth * k * k
     anc0 = torch.zeros(k, cfg.draft_slots, dtype=torch.bool, device=dev)
     anc0[:, :k] = torch.eye(k, dtype=torch.bool, device=dev)
+    # expansion i's new ancestor bits: its own k rows at draft slots (i + 1) k .. (i + 2) k
+    step_eye = torch.zeros(max(depth - 1, 1), k, cfg.draft_slots, dtype=torch.bool, device=dev)
+    for i in range(depth - 1):
+        step_eye[i, :, (i + 1) * k:(i + 2) * k] = torch.eye(k, dtype=torch.bool, device=dev)
     level = torch.cat([torch.zeros(k, device=dev)] + [torch.full((k * k,), i + 1.0, device=dev) for i in range(depth)])
     return dict(
-        eye=torch.eye(k, dtype=torch.bool, device=dev), anc0=anc0,
+        anc0=anc0, step_eye=step_eye,
         first_idx=torch.arange(k, device=dev)[None],
         # the pool offset of expansion i's k inputs (i >= 1; the i-th level's top-k), element by element
         offsets=torch.tensor([k + i * k * k for i in range(depth - 1) for _ in range(k)], device=dev)[None],
@@ -66,27 +108,49 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
     pool_tok, pool_score, bests = [ids], [logp], []
     cur_tok, cur_score = ids, logp
     cur_feat = h_last[:, None].expand(B, k, d)
-    anc = c["anc0"].expand(B, -1, -1)
-    # every step's draft-cache slots and positions in one op each: [depth, B, k], a step's rows contiguous
+    anc = c["anc0"].expand(B, -1, -1).contiguous()  # (contiguous: every step's _grow sees the same layout)
+    # every step's draft-cache slots and positions in one op each: [depth, B, k], a step's rows contiguous; and
+    # their physical slots, mapped here once for all steps
     slots_all, pos_all = n[None, :, None] + c["step_slots"], n[None, :, None] + c["step_pos"]
+    phys_all = slots_all if table is None else \
+        physical(table, slots_all.transpose(0, 1).reshape(B, -1)).view(B, cfg.depth, k).transpose(0, 1).contiguous()
     for i in range(cfg.depth):
         h = draft.hidden(cur_tok.flatten(), cur_feat.reshape(B * k, d), pos_all[i].flatten(), slots_all[i].flatten(),
-                         Span(n, anc[:, :, : (i + 1) * k], S, table), cache=cache).view(B, k, d)
+                         Span(n, anc[:, :, : (i + 1) * k], S, table, phys=phys_all[i].flatten()),
+                         cache=cache).view(B, k, d)
         logp, ids = heads(h, k)  # [B, k, k]
-        score = (cur_score[:, :, None] + logp).flatten(1)
+        if i + 1 == cfg.depth:
+            pool_tok.append(ids.flatten(1))
+            pool_score.append((cur_score[:, :, None] + logp).flatten(1))
+            break
+        score, best, cur_tok, cur_score, cur_feat, anc = _grow(cur_score, logp, ids, h, anc, c["step_eye"][i])
         pool_tok.append(ids.flatten(1))
         pool_score.append(score)
-        if i + 1 == cfg.depth:
-            break
-        best = score.topk(k, dim=1).indices
         bests.append(best)
-        parent_row = best // k
-        cur_tok, cur_score = ids.flatten(1).gather(1, best), score.gather(1, best)
-        cur_feat = h.gather(1, parent_row[:, :, None].expand(B, k, d))
-        anc = anc.gather(1, parent_row[:, :, None].expand(B, k, anc.shape[2]))
-        anc[:, :, (i + 1) * k:(i + 2) * k].bitwise_or_(c["eye"])  # on the view (`|=` would copy it back too)
-    # each pool node's parent, all at once: expansion i's k inputs (the first level, then each level's top-k)
-    # are the parents of its k x k children
+    tokens, parent, depth, anc = _tree(root, pool_tok, pool_score, bests, cfg, c)
+    return Tree(tokens=tokens, parent=parent, depth=depth, anc=anc)
+
+
+@fused
+def _grow(cur_score, logp, ids, h, anc, step_eye):
+    """One expansion's bookkeeping: the path scores of its k x k children [B, k * k], and of them the top-k that
+    the next step expands: their pool indices, tokens, scores, parents' draft hiddens and ancestor rows (their
+    parent's, plus their own bit)."""
+    B, k = ids.shape[:2]
+    score = (cur_score[:, :, None] + logp).flatten(1)
+    best = score.topk(k, dim=1).indices
+    parent_row = best // k
+    feat = h.gather(1, parent_row[:, :, None].expand(B, k, h.shape[-1]))
+    anc = anc.gather(1, parent_row[:, :, None].expand(B, k, anc.shape[2])) | step_eye
+    return score, best, ids.flatten(1).gather(1, best), score.gather(1, best), feat, anc
+
+
+@fused
+def _tree(root, pool_tok, pool_score, bests, cfg: TreeConfig, c: dict):
+    """The pool (every level's candidates: tokens, path scores, and each node's parent, all at once: expansion i's
+    k inputs -- the first level, then each level's top-k -- are the parents of its k x k children) -> the tree
+    (_select)."""
+    B, k = root.shape[0], cfg.top_k
     inputs = c["first_idx"].expand(B, k)
     if bests:
         inputs = torch.cat([inputs, torch.cat(bests, 1) + c["offsets"]], 1)
@@ -94,11 +158,11 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
     return _select(torch.cat(pool_tok, 1), torch.cat(pool_score, 1), parent, root, cfg, c)
 
 
-def _select(tok, score, parent, root, cfg: TreeConfig, c: dict) -> Tree:
+def _select(tok, score, parent, root, cfg: TreeConfig, c: dict):
     """Per request, the best total_tokens-1 pool nodes by path score, kept in pool order (so parents precede
     children); a child never scores above its parent, and the tiny depth penalty breaks exact ties (p = 1.0 in
     fp32) so the chosen set always holds each chosen node's parent. parent: pool index, the first level's the
-    sink P (the root)."""
+    sink P (the root). Returns the Tree's fields (tokens, parent, depth, anc)."""
     dev, N = tok.device, cfg.total_tokens
     B, P = tok.shape
     chosen = (score - c["penalty"]).topk(N - 1, dim=1).indices.sort(dim=1).values
@@ -110,7 +174,7 @@ def _select(tok, score, parent, root, cfg: TreeConfig, c: dict) -> Tree:
     for _ in range(cfg.depth + 1):
         anc = eye | anc.gather(1, par[:, :, None].expand(B, N, N))
     tokens = torch.cat([root[:, None], tok.gather(1, chosen)], 1)
-    return Tree(tokens=tokens, parent=par, depth=anc.sum(2) - 1, anc=anc)
+    return tokens, par, anc.sum(2) - 1, anc
 
 
 def verify(target, cache, tree: Tree, n, table, S: int):
@@ -126,12 +190,16 @@ def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
     """Acceptance per request (greedy, or sampled with `argmax` the target's draws: speculative/sampling.py): path
     [B, max_path] (tree indices by depth, padded with the leaf), accepted draft tokens k [B], emitted [B, max_path]
     (valid up to index k)."""
-    B, N = tree.tokens.shape
-    ok = (tree.tokens == argmax.gather(1, tree.parent)) | (tree.depth == 0)
-    path_ok = ~(tree.anc & ~ok[:, None, :]).any(2)
-    leaf = torch.where(path_ok, tree.depth, -1).argmax(1)  # [B]
-    levels = _arange(max_path, ok.device)[None, :, None]
-    leaf_anc = tree.anc.gather(1, leaf[:, None, None].expand(B, 1, N))  # [B, 1, N]
-    on_path = leaf_anc & (tree.depth[:, None, :] == levels)  # [B, max_path, N]
+    return _accept(tree.tokens, tree.parent, tree.depth, tree.anc, argmax, _arange(max_path, argmax.device))
+
+
+@fused
+def _accept(tokens, parent, depth, anc, argmax, levels):
+    B, N = tokens.shape
+    ok = (tokens == argmax.gather(1, parent)) | (depth == 0)
+    path_ok = ~(anc & ~ok[:, None, :]).any(2)
+    leaf = torch.where(path_ok, depth, -1).argmax(1)  # [B]
+    leaf_anc = anc.gather(1, leaf[:, None, None].expand(B, 1, N))  # [B, 1, N]
+    on_path = leaf_anc & (depth[:, None, :] == levels[None, :, None])  # [B, max_path, N]
     path = torch.where(on_path.any(2), on_path.float().argmax(2), leaf[:, None])
-    return path, tree.depth.gather(1, leaf[:, None])[:, 0], argmax.gather(1, path)
+    return path, depth.gather(1, leaf[:, None])[:, 0], argmax.gather(1, path)
