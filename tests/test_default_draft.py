@@ -44,3 +44,20 @@ def test_quickstart_tree_knobs_given_win(capsys):
     main(["quickstart", "--max-new-tokens", "8", "--depth", "2", "--total-tokens", "9"])
     out = capsys.readouterr().out
     assert "== tree: depth 2, tree-top-k 4, 9 tokens" in out and "identical to AR greedy: True" in out
+
+
+# held-out chat prompts of several kinds (the window's stream differs: prose, code, a list, a translation)
+CAP_PROMPTS = PROMPTS + ["List five fruits and their colours.", "Translate into French: the cat sleeps on the warm mat."]
+
+
+@pytest.mark.parametrize("method,w_max", [("microspec", 3072), ("microspec-paper", 48)])
+def test_window_stays_within_w_max(engine_dir, method, w_max):
+    """Every round's draft vocabulary, the pinned EOS, the stream and the fill together, is at most W_max; the
+    filled window is always exactly full, the paper's small one fills up (its stream outgrows 48 ids)."""
+    llm = LLM(engine_dir, method, w_max=w_max, spec_policy="fixed")
+    sizes = []
+    for p in CAP_PROMPTS:
+        s = llm.generate(p, 16, chat=True).stats
+        assert s["rounds"] > 0 and s["vocab_max"] <= w_max, (p, s["vocab_max"])
+        sizes.append(s["vocab_max"])
+    assert max(sizes) == w_max
