@@ -314,7 +314,7 @@ def check_batch_window() -> str:
     # W 2048: the small slots' windows stay thin (their fill large), the large slots' wrap
     V, W, d, k, T, slots, pinned = 50000, 2048, 256, 10, 10, 8, [2, 49999]
     head = exact_inputs(g, V, d)
-    fill = torch.randperm(V, generator=g)[:W + len(pinned)]
+    fill = torch.randperm(V, generator=g)[:W]
     cpu, gpu = BatchWindow(head, W, pinned, slots, fill), BatchWindow(head.to(DEV), W, pinned, slots, fill)
     state = ("ring", "head_pos", "count", "slot_of", "id_of", "first", "fill_id_of")
     joins = {0: [5, 0, 3], 7: [1, 6], 15: [0]}  # round -> slots whose request joins then (0 again at 15)

@@ -10,7 +10,8 @@ import torch
 from plugins import ops
 from plugins.check import exact_inputs, stream_ids
 from trtllm_microspec.vocab.batched import BatchWindow
-from trtllm_microspec.vocab.strategies import Fill, Window, fill_ranking
+from trtllm_microspec.models.registry import UserError
+from trtllm_microspec.vocab.strategies import Fill, StaticVocab, Window, fill_ranking
 
 V, W, D, K, PINNED, SLOTS = 300, 16, 8, 4, [7, 0], 4
 
@@ -29,11 +30,11 @@ class WindowVocab:
         use_prompt, use_rounds, packed, fill = self.FLAGS[name]
         self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev)
         self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
-        self.R = R = w_max + len(self.pinned)
+        self.R = R = w_max  # every id it holds, the pinned included, within W_max
         # R ranked ids: enough to fill every slot the window leaves free, whichever of them the window holds
         self.fill = Fill(fill_ranking(ranked_ids, V, R), V, dev) if fill else None
         F = self.fill.F if fill else 0
-        self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
+        self.ring = torch.full((w_max - len(self.pinned) + 1,), -1, dtype=torch.long, device=dev)
         self.head_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.count = torch.zeros(V + 1, dtype=torch.int32, device=dev)
         self.slot_of = torch.full((V + 1,), -1, dtype=torch.long, device=dev)
@@ -151,7 +152,7 @@ def test_batch_window_equals_independent_windows(method):
     head = exact_inputs(g, V, D, dtype=torch.float32)  # exact GEMMs: bmm and linear give the same logits
     ranked = ranking(g)
     use_prompt, use_rounds, packed, fill = WindowVocab.FLAGS[method]
-    bw = BatchWindow(head, W, PINNED, SLOTS, ranked[:W + len(PINNED)] if fill else None, use_prompt, use_rounds,
+    bw = BatchWindow(head, W, PINNED, SLOTS, ranked[:W] if fill else None, use_prompt, use_rounds,
                      packed)
     refs = {}
     for rnd in range(12):
@@ -219,7 +220,7 @@ def test_windows_never_mix():
 
 def reference_fill(window: set[int], ranked: list[int], R: int) -> list[int]:
     """The fill's rule in plain Python: the ranked ids not in the window, most frequent first, as many as the
-    window leaves free of its R = W_max + pinned slots."""
+    window leaves free of its R = W_max slots."""
     return [i for i in ranked if i not in window][:R - len(window)]
 
 
@@ -257,7 +258,7 @@ class Batched(Single):
     """A BatchWindow of 3 slots through the same accessors."""
 
     def __init__(self, method, head, w, ranked):
-        self.v = BatchWindow(head, w, PINNED, 3, ranked[:w + len(PINNED)] if method == "microspec" else None)
+        self.v = BatchWindow(head, w, PINNED, 3, ranked[:w] if method == "microspec" else None)
 
     def start(self, slot, prompt, topk):
         self.v.start(slot, prompt, topk)
@@ -289,10 +290,10 @@ def test_fill_rule(kind):
     batched ones taking over a used slot: after every start and update the filled window's stream part is exactly
     the paper's window (stream ids always win a slot, a fill id never displaces one), its fill is the Python
     rule's (so a joining request's fill is its own window's, nothing of the last request's), the union is always
-    the W_max + pinned slots (each stream id that enters displaces one fill id), and size, contains and the draft head see exactly that union."""
+    the W_max slots, pinned ids included (each stream id that enters displaces one fill id), and size, contains and the draft head see exactly that union."""
     g = torch.Generator().manual_seed(2)
     V2, W2 = 60, 24
-    R = W2 + len(PINNED)
+    R = W2
     head = exact_inputs(g, V2, D, dtype=torch.float32)
     ranked = ranking(g, V2)
     filled, paper = kind("microspec", head, W2, ranked), kind("microspec-paper", head, W2, ranked)
@@ -319,4 +320,45 @@ def test_fill_rule(kind):
             assert set(every[filled.contains(slot, every)].tolist()) == union
             assert set(filled.head_ids(slot, exact_inputs(g, 5, D, dtype=torch.float32)).flatten().tolist()) <= union
             sizes.add(len(window))
-    assert min(sizes) < R // 2 and max(sizes) >= W2  # thin windows (mostly fill) and full ones (little fill) met
+    assert min(sizes) < R // 2 and max(sizes) >= W2 - len(PINNED)  # thin windows (mostly fill), full ones (little)
+
+
+@pytest.mark.parametrize("method", list(WindowVocab.FLAGS))
+def test_window_never_exceeds_w_max(method):
+    """Adversarial streams: every append brings more distinct ids than the window holds, the pinned ids among them
+    and left out by turns, a prompt of more distinct ids than W_max: after every start and update the ids the draft
+    may propose (contains over the whole vocabulary), its size and the head's ids stay within W_max."""
+    g = torch.Generator().manual_seed(3)
+    head = exact_inputs(g, V, D, dtype=torch.float32)
+    fill = WindowVocab.FLAGS[method][3]
+    bw = BatchWindow(head, W, PINNED, 2, ranking(g)[:W] if fill else None, *WindowVocab.FLAGS[method][:3])
+    every = torch.arange(V).expand(2, V)
+    batch = torch.tensor([0, 1])
+    for slot in (0, 1):
+        bw.start(slot, torch.randperm(V, generator=g)[:3 * W], torch.randperm(V, generator=g)[:2 * W], 
+                 torch.randperm(V, generator=g)[:W])
+    for rnd in range(8):
+        tree = torch.randperm(V, generator=g)[:2 * W].expand(2, -1).clone()
+        ver = torch.tensor(PINNED * 3 if rnd % 2 else [], dtype=torch.long).expand(2, -1)
+        bw.update(batch, tree, ver)
+        proposable = bw.contains(batch, every).sum(1)
+        assert (proposable <= W).all() and (bw.size(batch) == proposable).all()
+        assert bw.contains(batch, torch.tensor(PINNED).expand(2, -1)).all()  # the pinned never leave
+        if fill:  # a filled window is always exactly full
+            assert (proposable == W).all()
+        _, ids = bw.head(exact_inputs(g, 2, 4, D, dtype=torch.float32), batch, 2, K)
+        assert all(bool(bw.contains(batch[b:b + 1], ids[b].flatten()[None]).all()) for b in range(2))
+
+
+def test_window_refuses_w_max_within_the_pinned():
+    with pytest.raises(UserError, match="w_max 2 leaves no room beside the 2 pinned"):
+        Window("microspec", torch.zeros(V, D), 2, PINNED)
+
+
+def test_static_vocab_holds_k_ids_with_the_pinned():
+    """frspec's K counts the pinned ids too, ranked among the K or not."""
+    head = torch.zeros(V, D)
+    for ranked in (torch.arange(V - 1, -1, -1), torch.arange(V)):  # the pinned ranked last, then among the first
+        v = StaticVocab(head, ranked, 10, PINNED)
+        assert v.size().item() == v.id_of.numel() == 10 and set(PINNED) <= set(v.id_of.tolist())
+        assert v.contains(torch.arange(V)).sum().item() == 10

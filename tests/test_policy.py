@@ -50,9 +50,11 @@ def test_policy_picks_what_pays():
     cost = {0: 1.0, 1: 1.0, 2: 1.0}
     policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]))
     assert policy.choose(requests(None, None), 2) == 2  # as cheap as plain: the biggest tree returns the most
+    assert policy.why is None
     cost.update({1: 10.0, 2: 10.0})
     policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]))
     assert policy.choose(requests(None, None), 2) == 0  # 10x a plain step for < 3 tokens: plain
+    assert policy.why == "cost"  # even at the prior acceptance
     cost.update({1: 1.5, 2: 1.6})
     policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]))
     reqs = requests(None, None)
@@ -60,6 +62,7 @@ def test_policy_picks_what_pays():
     for _ in range(20):  # rounds that accept nothing (1 token each): speculation no longer pays
         policy.observe(reqs, 2, 2, [1, 1], 1.6)
     assert all(r.accept_ratio < 0.05 for r in reqs) and policy.choose(reqs, 2) == 0
+    assert policy.why == "acceptance"  # the tree would pay at the prior: what it accepted keeps it plain
     assert policy.choose(requests(None), 1) == 0  # a new request starts from the batch's (now low) acceptance
     fixed = SpecPolicy(tree_shapes(TreeConfig(2, 3, 8), "fixed"), "fixed", StepCosts(lambda s, rows: 1 / 0))
     assert fixed.choose(reqs, 2) == 1  # fixed: the configured tree, no cost asked
@@ -123,9 +126,17 @@ def test_mocked_costs(expensive, engine_dir, random_draft_dir, alone):
     results = llm.generate([CASES[0][0], CASES[2][0]], [CASES[0][2], CASES[2][2]])
     assert [r.token_ids for r in results] == [alone[0], alone[2]]
     for r in results:
-        sizes = r.stats["tree_sizes"]
+        s = r.stats
+        sizes = s["tree_sizes"]
         assert set(sizes) == ({1} if expensive else {8}), sizes
-        assert (r.stats["rounds"] == 0) == expensive
+        assert (s["rounds"] == 0) == expensive
+        # every plain step counted, with why; the round statistics only over rounds (None: none ran)
+        assert s["plain_steps"] == sizes.get(1, 0) == (s["new_tokens"] - 1 if expensive else 0)
+        assert s["plain_reasons"] == ({"cost": s["plain_steps"]} if expensive else {})
+        if expensive:
+            assert s["acceptance_length"] is s["vocab_mean"] is s["vocab_max"] is s["coverage"] is None
+        else:
+            assert s["acceptance_length"] >= 1 and s["vocab_mean"] == 64
     steps = [rec.tree for rec in llm.scheduler().history if rec.decodes]
     assert set(steps) == ({1} if expensive else {8})
 

@@ -76,10 +76,11 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
                    "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)
-    p.add_argument("--spec-policy", choices=["auto", "fixed"], default="auto", help="speculative methods in the "
-                   "batched engine: auto picks each step's draft tree (plain decoding included) from the step's "
-                   "measured cost and the requests' acceptance, for the most tokens per second; fixed always runs "
-                   "the configured tree")
+    p.add_argument("--spec-policy", choices=["auto", "fixed"], help="speculative methods in the batched engine: "
+                   "auto picks each step's draft tree (plain decoding included) from the step's measured cost and "
+                   "the requests' acceptance, for the most tokens per second; fixed always runs the configured tree "
+                   "(default: fixed for generate and wherever --depth, --tree-top-k or --total-tokens is given, "
+                   "else auto)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -194,12 +195,16 @@ def cmd_generate(a) -> None:
         llm.generate(prompts or a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
         return
     if prompts:  # one batch: every prompt decoded together, one JSON line or text block per prompt
-        for r in llm.generate(prompts, a.max_new_tokens, chat=a.chat, **sampling):
+        results = llm.generate(prompts, a.max_new_tokens, chat=a.chat, **sampling)
+        for r in results:
             print(json.dumps(r.to_dict()) if a.json else f"{r.text}\n[{r.num_new_tokens} tokens, "
                   f"{r.stats['wall_s']:.2f} s]\n")
+        plain_note([r.stats for r in results])
         return
     if a.json:
-        print(json.dumps(llm.generate(a.prompt, a.max_new_tokens, chat=a.chat, **sampling).to_dict()))
+        r = llm.generate(a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
+        print(json.dumps(r.to_dict()))
+        plain_note([r.stats])
         return
     gen = llm.stream_tokens(a.prompt, a.max_new_tokens, chat=a.chat, **sampling)
     try:
@@ -212,6 +217,27 @@ def cmd_generate(a) -> None:
     extra = (f", acceptance {s['acceptance_length']:.2f}, vocab {s['vocab_mean']:.0f}"
              if s["rounds"] and a.method != "ar" else "")
     print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s, {s['tokens_per_s']:.1f} tok/s{extra}]", file=sys.stderr)
+    plain_note([s])
+
+
+PLAIN_WHY = {"cost": "a round of the draft tree costs more here than the tokens it is expected to return (the "
+                     "calibrated step costs)",
+             "acceptance": "the draft's acceptance on this text is too low for a round to pay"}
+
+
+def plain_note(stats: list[dict]) -> None:
+    """One line on stderr when the speculation policy ran every decoding step plain (no round at all): a user who
+    asked for speculation learns it decoded as AR and why, instead of reading a missing acceptance as a broken head."""
+    reasons: dict = {}
+    for s in stats:
+        if s["rounds"]:
+            return
+        for why, n in s["plain_reasons"].items():
+            reasons[why] = reasons.get(why, 0) + n
+    if reasons:
+        why = max(reasons, key=reasons.get)
+        print(f"microspec: decoded plainly, no speculative round ({sum(reasons.values())} plain steps): "
+              f"{PLAIN_WHY.get(why, why)}; --spec-policy fixed runs every step as a round", file=sys.stderr)
 
 
 def cmd_quickstart(a) -> None:
@@ -274,6 +300,21 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"microspec: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        a, rest = super().parse_known_args(args, namespace)
+        if getattr(a, "spec_policy", "") is None and hasattr(a, "command"):  # the top parser: the whole command
+            a.spec_policy = default_policy(a)
+        return a, rest
+
+
+def default_policy(a: argparse.Namespace) -> str:
+    """--spec-policy left unset: `fixed` where the user named a tree (--depth, --tree-top-k, --total-tokens) or, in
+    generate, a speculative method: what they asked for runs, every step a round of that tree (auto may decode
+    plainly throughout, as on most CPUs, where a round costs more than it returns); else `auto` (serve and bench,
+    whose load the policy follows). Decided at parsing, before resolve_tree fills the unset tree knobs in."""
+    named_tree = any(getattr(a, k, None) is not None for k in ("depth", "top_k", "total_tokens"))
+    return "fixed" if named_tree or (a.command == "generate" and a.method != "ar") else "auto"
 
 
 def build_parser() -> argparse.ArgumentParser:

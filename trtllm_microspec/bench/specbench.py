@@ -237,7 +237,13 @@ def summarize(records: list[dict]) -> dict:
     speeds = [n / s for n, s in per_q.values()]
     rounds = sum(r.get("rounds", 0) for r in records)  # speculative rounds (the policy's plain steps are none)
     emitted = sum(r.get("round_tokens", 0) for r in records)
-    covered = [(r["coverage"], r["new_tokens"] - 1) for r in records if r.get("coverage") is not None]
+    # weighted by the tokens its rounds emitted, over which a turn's coverage is counted
+    covered = [(r["coverage"], r["round_tokens"]) for r in records if r.get("coverage") is not None]
+    plain = sum(r.get("plain_steps") or 0 for r in records)  # the speculation policy's plain steps
+    reasons: dict = defaultdict(int)
+    for r in records:
+        for why, n in (r.get("plain_reasons") or {}).items():
+            reasons[why] += n
     return {
         "questions": len(per_q),
         "turns": len(records),
@@ -249,6 +255,8 @@ def summarize(records: list[dict]) -> dict:
             r["time_s"] for r in records) if any(r.get("draft_s") is not None for r in records) else None,
         "vocab_mean": sum(r["vocab_mean"] * r["rounds"] for r in records if r.get("rounds")) / rounds if rounds else None,
         "coverage": sum(c * n for c, n in covered) / max(1, sum(n for _, n in covered)) if covered else None,
+        "plain_share": plain / (plain + rounds) if plain + rounds else None,  # of the decoding steps
+        "plain_reasons": dict(reasons),
     }
 
 
@@ -287,7 +295,8 @@ def _fmt(v, spec: str) -> str:
 
 METRICS = [("speed", "tokens/s (prefill included)", ".1f"), ("speedup", "speedup over AR", ".2f"),
            ("acceptance_length", "mean acceptance length", ".2f"), ("draft_share", "share of time in drafting", ".1%"),
-           ("vocab_mean", "mean active draft vocabulary", ".0f"), ("coverage", "coverage (emitted tokens in the draft vocabulary)", ".1%")]
+           ("vocab_mean", "mean active draft vocabulary", ".0f"), ("coverage", "coverage (emitted tokens in the draft vocabulary)", ".1%"),
+           ("plain_share", "share of decoding steps run plain (the speculation policy's; why: below)", ".1%")]
 
 
 def markdown(res: dict) -> str:
@@ -302,7 +311,14 @@ def markdown(res: dict) -> str:
             lines += [f"| {name} | " + " | ".join(_fmt(run["summary"][c][key], spec) for c in cols) + " |"
                       for name, run in runs.items() if run["summary"]]
             lines.append("")
-        lines += ["## losslessness (token ids equal to AR's)", "", "| method | turns | mismatches |", "|---|---|---|"]
+        lines += ["## why steps ran plain (overall: plain steps per reason)", "",
+                  "cost: at the prior acceptance no tree pays for its measured cost; acceptance: a tree would, but "
+                  "not at the acceptance the requests showed. Acceptance, vocabulary and coverage are over the "
+                  "speculative rounds only (-: none ran).", "", "| method | plain steps | reasons |", "|---|---|---|"]
+        lines += [f"| {n} | {sum(why.values())} | " + (", ".join(f"{k}: {v}" for k, v in sorted(why.items())) or "-")
+                  + " |" for n, r in runs.items() if r["summary"]
+                  for why in [r["summary"]["overall"].get("plain_reasons") or {}]]
+        lines += ["", "## losslessness (token ids equal to AR's)", "", "| method | turns | mismatches |", "|---|---|---|"]
         lines += [f"| {n} | {r['summary']['overall']['turns']} | {len(r['mismatches'])} |" for n, r in runs.items()
                   if r["summary"]]
     for method, knob in (("frspec", "static_k"), *((m, "w_max") for m in WINDOWS)):
@@ -557,8 +573,9 @@ def register(sub) -> None:
     p.add_argument("--server", help="with --concurrency: load a running `microspec serve` instead of a model "
                    "here, at its gRPC address (host:port) or OpenAI endpoint (http://host:port/v1); --methods and the "
                    "model options are then the server's")
-    p.add_argument("--spec-policy", choices=["auto", "fixed"], default="auto", help="the batched engine's "
-                   "speculation policy for every speculative method not naming its own (METHOD@fixed, METHOD@auto)")
+    p.add_argument("--spec-policy", choices=["auto", "fixed"], help="the batched engine's speculation policy for "
+                   "every speculative method not naming its own (METHOD@fixed, METHOD@auto; default: fixed where "
+                   "--depth, --tree-top-k or --total-tokens is given, else auto)")
     p.add_argument("--max-num-tokens", type=int, help="the batched engine's tokens of target work per step "
                    "(default: 8192 on CUDA, 1024 on the CPU)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)

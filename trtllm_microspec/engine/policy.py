@@ -35,6 +35,9 @@ from collections.abc import Callable
 from ..speculative.tree import TreeConfig
 
 POLICIES = ("auto", "fixed")
+# why the policy ran a step plain, as the statistics report it (Stats.plain_reasons): the calibrated step costs alone
+# (no tree pays even at the prior acceptance), or the acceptance the requests showed (a tree would pay at the prior)
+PLAIN_REASONS = ("cost", "acceptance")
 # smaller trees the policy may pick below the configured one (each kept only if strictly smaller): the
 # "16 tokens, depth 3, top-4" tree measured in issue 22, and a chain-like 4-token one for lightly loaded big batches
 SMALLER_TREES = (TreeConfig(depth=3, top_k=4, total_tokens=16), TreeConfig(depth=1, top_k=2, total_tokens=4))
@@ -98,15 +101,25 @@ class SpecPolicy:
         self.shapes, self.policy, self.costs = shapes, policy, costs
         self.prior = [prior_tokens(t) for t in shapes]
         self.rho = 1.0  # the batch-wide acceptance ratio: where a new request starts
+        self.why: str | None = None  # why the last choice was a plain step (PLAIN_REASONS), None: a tree
 
     def choose(self, reqs: list, rows: int) -> int:
         """The shape index of this step for `reqs` (their rows bucket `rows`)."""
         if self.policy == "fixed":
             return len(self.shapes) - 1
-        rho = sum(self.ratio(r) for r in reqs)  # sum of E_s(r) = len(reqs) + rho_sum (G_s - 1)
-        best, best_rate = 0, len(reqs) / self.costs(0, rows)
+        best = self.best(sum(self.ratio(r) for r in reqs), len(reqs), rows)
+        # why a step runs plain, for the requests' statistics: at the prior acceptance (every ratio 1) no tree
+        # returns more tokens per second than a plain step (the measured costs alone decide), or one would, and
+        # the acceptance the requests showed is what keeps it plain
+        self.why = None if best else ("acceptance" if self.best(len(reqs), len(reqs), rows) else "cost")
+        return best
+
+    def best(self, rho: float, n: int, rows: int) -> int:
+        """The shape of the most expected tokens per second for n requests whose acceptance ratios sum to rho:
+        sum of E_s(r) = n + rho (G_s - 1)."""
+        best, best_rate = 0, n / self.costs(0, rows)
         for s in range(1, len(self.shapes)):
-            rate = (len(reqs) + rho * (self.prior[s] - 1)) / self.costs(s, rows)
+            rate = (n + rho * (self.prior[s] - 1)) / self.costs(s, rows)
             if rate > best_rate:
                 best, best_rate = s, rate
         return best

@@ -477,8 +477,8 @@ class SpecRunner(BatchRunner):
                       cache=self.dcache)
         self.h_last[p.slot] = dh[p.rows]
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
-        for r in decodes:  # a plain step's one token is no acceptance: its size only
-            r.stats.tree_sizes[1] = r.stats.tree_sizes.get(1, 0) + 1
+        for r in decodes:  # a plain step's one token is no acceptance: its size and why only
+            self.count_step(r.stats, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
     def plan(self, reqs: list) -> int:
@@ -516,7 +516,7 @@ class SpecRunner(BatchRunner):
         out = []
         for r, (k, size, covered, *emitted) in zip(reqs, res):
             s = r.stats
-            s.tree_sizes[size_of] = s.tree_sizes.get(size_of, 0) + 1
+            self.count_step(s, size_of)
             if size_of > 1:  # speculative rounds only: a plain step's one token is no acceptance
                 s.rounds += 1
                 s.round_tokens += k + 1
@@ -527,6 +527,12 @@ class SpecRunner(BatchRunner):
             r.last = emitted[k]
             out.append(emitted[:k + 1])
         return out
+
+    def count_step(self, stats, size: int) -> None:
+        """A decoding step of `size` tree tokens in a request's statistics; a plain one (1) with the policy's why."""
+        stats.tree_sizes[size] = stats.tree_sizes.get(size, 0) + 1
+        if size == 1:
+            stats.plain_reasons[self.policy.why] = stats.plain_reasons.get(self.policy.why, 0) + 1
 
     def measure(self, shape: int, Bb: int) -> float:
         """Seconds of one step of `shape` over Bb padding rows (the policy's cost calibration): the same launch,

@@ -17,6 +17,8 @@ class Stats:
     covered: int = 0  # emitted tokens that were in their round's draft vocabulary
     # batched engine: steps per tree size the speculation policy chose (1: a plain decode step, not a round)
     tree_sizes: dict = field(default_factory=dict)
+    # its plain steps by why the speculation policy ran them plain (engine/policy.py PLAIN_REASONS)
+    plain_reasons: dict = field(default_factory=dict)
     prefill_s: float = 0.0  # target prefill (+ top-K_pre, window start and draft prefill)
     # the engine runs a round as one launch (one CUDA graph): a request has decode_s (the steps it took part in)
     # and None for the three phases (kept for readers of the statistics; the profile splits the phases)
@@ -31,9 +33,12 @@ class Stats:
         d = asdict(self)
         if self.decode_s is None:
             d["decode_s"] = self.draft_s + self.verify_s + self.update_s
-        d["acceptance_length"] = self.round_tokens / self.rounds if self.rounds else 0.0
-        d["vocab_mean"] = self.vocab_sum / self.rounds if self.rounds else 0.0
+        # over speculative rounds only: None with none (no acceptance of 0 for rounds that did not run)
+        d["acceptance_length"] = self.round_tokens / self.rounds if self.rounds else None
+        d["vocab_mean"] = self.vocab_sum / self.rounds if self.rounds else None
+        d["vocab_max"] = self.vocab_max if self.rounds else None
         d["coverage"] = self.covered / self.round_tokens if self.round_tokens else None
+        d["plain_steps"] = sum(self.plain_reasons.values())
         d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
         return d
 

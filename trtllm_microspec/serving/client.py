@@ -163,7 +163,7 @@ def stream(url: str, prompt: str | bytes, max_tokens: int = 256, stream: bool = 
             ttft = ttft if ttft is not None else last
             pieces.append(piece)
             yield piece
-        stats.update({k: out[k][0].item() for k in STAT_OUTPUTS if k in out})
+        stats.update({k: none_if_nan(out[k][0].item()) for k in STAT_OUTPUTS if k in out})
     if not stats:  # the model's last response always has them: an empty final one means the request was cut off
         raise RequestError("the stream ended before the request completed")
     return Completion("".join(pieces), stats, ttft, time.perf_counter() - t0, pieces, last)
@@ -241,6 +241,15 @@ def _outputs(text: str | None, usage: dict | None = None, spec: dict | None = No
     return out
 
 
+def none_if_nan(v):
+    """The model's NaN statistic (no speculative round ran) as None; other values as they are."""
+    return None if isinstance(v, float) and v != v else v
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def generate(url: str, prompt: str | bytes, max_tokens: int = 256, **kw) -> Completion:
     gen = stream(url, prompt, max_tokens, **kw)
     while True:
@@ -277,7 +286,9 @@ def load_report(results: list[Completion | str], concurrency: int, wall: float) 
             "requests_per_s": len(done) / wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
             "ttft_s": percentiles([c.ttft_s for c in done if c.ttft_s is not None]), "itl_s": percentiles(itl),
             "latency_s": percentiles([c.latency_s for c in done]),
-            "mean_acceptance_length": float(np.mean([c.stats["acceptance_length"] for c in done])) if done else None}
+            # over the requests that ran speculative rounds (None: none did)
+            "mean_acceptance_length": float(np.mean(acc)) if (acc := [c.stats["acceptance_length"] for c in done
+                                                                     if c.stats["acceptance_length"] is not None]) else None}
 
 
 def cmd_client(a: argparse.Namespace) -> None:
@@ -299,7 +310,7 @@ def cmd_client(a: argparse.Namespace) -> None:
         ms = lambda p: " ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p.items() if v is not None)  # noqa: E731
         print(f"{r['completed']}/{r['requests']} requests at concurrency {r['concurrency']} in {r['wall_s']:.2f} s: "
               f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
-              f"mean acceptance length {r['mean_acceptance_length'] or 0:.2f}\n"
+              f"mean acceptance length {fmt(r['mean_acceptance_length'], '.2f')}\n"
               f"  time to first token: {ms(r['ttft_s'])}\n  request latency:     {ms(r['latency_s'])}\n"
               f"  inter-token latency: {ms(r['itl_s']) or '- (no streamed request of two pieces or more)'}")
         for e in sorted(set(r["errors"])):
@@ -319,7 +330,7 @@ def cmd_client(a: argparse.Namespace) -> None:
         return
     s = c.stats
     print(f"[{s['num_output_tokens']} tokens in {c.latency_s:.2f} s, first after {(c.ttft_s or 0) * 1e3:.0f} ms, "
-          f"acceptance {s['acceptance_length']:.2f}, vocab {s['mean_active_vocab']:.0f}]", file=sys.stderr)
+          f"acceptance {fmt(s['acceptance_length'], '.2f')}, vocab {fmt(s['mean_active_vocab'], '.0f')}]", file=sys.stderr)
 
 
 def register(sub) -> None:

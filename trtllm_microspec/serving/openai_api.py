@@ -16,6 +16,7 @@ restart after the model's process died).
 import asyncio
 import functools
 import json
+import math
 import socket
 import threading
 import time
@@ -363,8 +364,11 @@ def usage(out: dict) -> dict:
 
 
 def spec_stats(out: dict) -> dict:
-    return {"acceptance_length": float(out["acceptance_length"][0]),
-            "mean_active_vocab": float(out["mean_active_vocab"][0])}
+    """The model's NaN (no speculative round ran: AR, or every step plain) is JSON's null."""
+    def num(v) -> float | None:
+        v = float(v[0])
+        return None if math.isnan(v) else v
+    return {"acceptance_length": num(out["acceptance_length"]), "mean_active_vocab": num(out["mean_active_vocab"])}
 
 
 def engine_dir_of(grpc_url: str, model: str = MODEL_NAME) -> Path:

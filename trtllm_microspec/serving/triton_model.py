@@ -108,8 +108,9 @@ def _response(text: str, stats: dict | None = None):
     if stats is not None:
         out += [pb_utils.Tensor("num_input_tokens", np.array([stats["prompt_tokens"]], np.int32)),
                 pb_utils.Tensor("num_output_tokens", np.array([stats["new_tokens"]], np.int32)),
-                pb_utils.Tensor("acceptance_length", np.array([stats["acceptance_length"]], np.float32)),
-                pb_utils.Tensor("mean_active_vocab", np.array([stats["vocab_mean"]], np.float32))]
+                # NaN: no speculative round ran (the statistics' None; a tensor has no null)
+                *(pb_utils.Tensor(name, np.array([np.nan if v is None else v], np.float32)) for name, v in
+                  (("acceptance_length", stats["acceptance_length"]), ("mean_active_vocab", stats["vocab_mean"])))]
     return pb_utils.InferenceResponse(output_tensors=out)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from plugins import ops
 
-from .strategies import Fill, Window
+from .strategies import Fill, Window, window_length
 
 
 def batch_vocab(vocab, slots: int):
@@ -91,10 +91,12 @@ class BatchWindow:
         if row_of is not None:  # the window's ids are target ids; head rows are reached through row_of
             V = vocab_size
         self.head_w, self.pinned = head, torch.tensor(sorted(set(pinned)), dtype=torch.long, device=dev)
-        self.W, self.V, self.R = w_max, V, w_max + len(self.pinned)
+        # W_max bounds everything the draft may propose, the pinned ids included (the paper's bound, and the packed
+        # buffer's size): the stream's suffix holds W_max - pinned ids, the fill tops the window up to R = W_max
+        self.W, self.V, self.R = window_length(w_max, len(self.pinned)), V, w_max
         R = self.R
         # one sentinel column per slot absorbs padded writes, as in the single-request layout
-        self.ring = torch.full((slots, w_max + 1), -1, dtype=torch.long, device=dev)
+        self.ring = torch.full((slots, self.W + 1), -1, dtype=torch.long, device=dev)
         self.slot_ids = torch.arange(slots, device=dev)  # start's one-slot batch as a view (no host -> device copy)
         self.head_pos = torch.zeros(slots, dtype=torch.long, device=dev)
         self.count = torch.zeros(slots, V + 1, dtype=torch.int32, device=dev)

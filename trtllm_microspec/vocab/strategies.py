@@ -3,20 +3,22 @@
 Every strategy exposes the same packed view -- rows `packed` [R, d] and the token id of each row `id_of` [R]
 (-1 = empty) -- so one op (`microspec::packed_head`) computes the draft head for all of them:
   full       the whole head (EAGLE-2), rows = W_head, ids = arange(V)
-  static     FR-Spec: the K most frequent ids of a corpus, gathered once (EOS and specials forced in)
-  microspec-paper  the paper's window: Unique(Suffix(S, W_max)) over the stream
+  static     FR-Spec: the K most frequent ids of a corpus, gathered once (EOS forced in, within the K)
+  microspec-paper  the paper's window: Unique(Suffix(S, W_max - P)) over the stream, and the P pinned ids
              S = prompt ++ union of top-K_pre at every prompt position, then per round
                  unique(draft tree ids) ++ unique(top-K_ver of the target at the accepted positions)
   microspec  the paper's window with its unused slots filled (FILL below switches it back to the paper's): the
-             window's ids, then the most frequent ids of a static ranking that are not in it, W_max + pinned
-             ids in all; every id the stream brings in displaces the last fill id, never the reverse. Short prompts
+             window's ids, then the most frequent ids of a static ranking that are not in it, W_max ids in
+             all; every id the stream brings in displaces the last fill id, never the reverse. Short prompts
              leave the paper's window mostly empty (211 of 3,072 ids on average on the H200's chat prompts,
              issue 23), while the draft head costs about the same at a few thousand rows (launch-bound on the
-             H200), so the empty slots are coverage almost for free; the head scores 2 x (W_max + pinned) rows.
+             H200), so the empty slots are coverage almost for free; the head scores 2 x W_max rows.
   ctx-only   S_init only, never updated (ablation)
   ext-only   rounds only: starts from the target's top-K_ver after prefill (ablation)
   naive      the microspec window scored by an indexed GEMM over W_head[ids] each call (no packing,
              no copy stream): the paper's "x Async" ablation
+Every window holds at most W_max ids, whatever fills it (pinned, stream, fill): the paper's bound, and the
+packed buffer's size; the pinned ids take their slots out of the stream's suffix (window_length).
 Choices the paper leaves open, made here: C_ver comes from the target logits at every accepted path position
 (root .. last accepted node: the positions whose argmax were emitted); within one append the draft tree's ids
 come first, in tree order (by draft score rank), then C_ver position by position; the prompt's top-K_pre union
@@ -51,6 +53,14 @@ def fill_ranking(ranked_ids: torch.Tensor | None, vocab_size: int, n: int) -> to
     if ranked_ids is None:
         return torch.arange(min(n, vocab_size))
     return ranked_ids[:n].long()
+
+
+def window_length(w_max: int, pinned: int) -> int:
+    """The stream suffix a window keeps: W_max less its pinned ids, so that its ids (the suffix's distinct ones and
+    the pinned) and the fill that tops it up never exceed W_max."""
+    if w_max <= pinned:
+        raise UserError(f"w_max {w_max} leaves no room beside the {pinned} pinned EOS ids: raise it")
+    return w_max - pinned
 
 
 def row_index(head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -91,7 +101,10 @@ class FullVocab:
 
 class StaticVocab(FullVocab):
     def __init__(self, head: torch.Tensor, ranked_ids: torch.Tensor, k: int, pinned: list[int]):
-        ids = torch.unique(torch.cat([torch.tensor(pinned, dtype=torch.long), ranked_ids[:k].long()]))
+        # the pinned ids count within the K, as the window's within its W_max
+        pin = torch.tensor(sorted(set(pinned)), dtype=torch.long)
+        ranked = ranked_ids.long()
+        ids = torch.unique(torch.cat([pin, ranked[~torch.isin(ranked, pin)][:max(k - pin.numel(), 0)]]))
         ids = ids.to(head.device)
         self.id_of = ids
         self.packed = head.index_select(0, ids)  # gathered once, contiguous
@@ -105,7 +118,7 @@ class StaticVocab(FullVocab):
 
 class Fill:
     """A window's fill: the static ranking's first F ids (F = R) and, per round, which of them are kept:
-    those not in the window, most frequent first, as many as the window leaves free of its R = W_max + pinned
+    those not in the window, most frequent first, as many as the window leaves free of its R = W_max
     slots (a cumsum over the not-in-window mask). The kept ids are a pure function of the window's membership
     (slot_of) and size, so a window that restarts (a request joins) restarts its fill too. All device tensor
     ops with static shapes: no host work, capturable in the CUDA graphs.
@@ -144,6 +157,9 @@ class Window:
     row_of: torch.Tensor | None = None  # EAGLE-3: target id -> head row [V + 1], -1 outside (row_index); None: same
     vocab_size: int | None = None  # EAGLE-3: the target's V (the window's ids are target ids)
 
+    def __post_init__(self):
+        window_length(self.w_max, len(set(self.pinned)))  # refused here, before the engine is made
+
     @property
     def V(self) -> int:
         """The window's id space: the target's ids."""
@@ -163,11 +179,10 @@ class Window:
 
     @property
     def fill_ids(self) -> torch.Tensor | None:
-        """R = W_max + pinned ranked ids: enough to fill every slot the window leaves free, whichever it holds."""
+        """W_max ranked ids: enough to fill every slot the window leaves free, whichever it holds."""
         if not self.FLAGS[self.name][3]:
             return None
-        R = self.w_max + len(set(self.pinned))
-        return fill_ranking(self.ranked_ids, self.V, R)
+        return fill_ranking(self.ranked_ids, self.V, self.w_max)
 
 
 def make_vocab(method: str, head: torch.Tensor, pinned: list[int], w_max: int = 3072,
