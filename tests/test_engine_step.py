@@ -79,14 +79,14 @@ def test_preempted_requests_equal_alone(engine_dir, llm, monkeypatch, seeded):
     (their uniforms are those of their tokens' positions). Each request's tokens are its tokens alone. (A sampled token is the
     same alone and batched unless its uniform falls within fp32 rounding of a boundary of the inverse CDF: the batch's
     GEMM shapes move logits by ~2e-5. Seed 3 for the third request met one such tie, its CDF 2.4e-7 apart; so would
-    the old engine. The seeds here meet none: the test is deterministic on a given machine.) Not seeded: the sampled
+    the old engine; seed 6 for it met one on a 2-core CPU with torch 2.13, at 30bb2e0 too. The seeds here meet none: the test is deterministic on a given machine.) Not seeded: the sampled
     requests get their seeds when they are added, once (the same three, drawn), so that a recomputed one goes on
     with its random stream."""
     c = llm.target.cfg
     per_block = block_bytes(c, torch.float32)
     small = LLM(engine_dir, "ar", device="cpu", max_batch=6, max_num_tokens=64, kv_memory=7 * per_block / GIB)
     ids = prompts(6, [40, 100, 70, 55, 90, 45], seed=1)
-    params = [GREEDY, GREEDY, SamplingParams(temperature=0.9, seed=6), GREEDY,
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.9, seed=7), GREEDY,
               SamplingParams(temperature=1.1, top_k=40, seed=4), SamplingParams(temperature=0.7, top_p=0.9, seed=5)]
     want = [alone(llm, p, 40, s) for p, s in zip(ids, params)]
     sched = small.scheduler()

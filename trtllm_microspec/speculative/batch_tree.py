@@ -7,8 +7,6 @@ mask over its own KV), and acceptance is per request. The draft head goes throug
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 
 import torch
 
@@ -21,42 +19,6 @@ from .tree import Tree, TreeConfig, causal
 def physical(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Logical slots [B, X] of each request -> physical pool slots."""
     return table.gather(1, slots // KV_BLOCK) * KV_BLOCK + slots % KV_BLOCK
-
-
-FUSE_DEVICES = {"cuda"}  # where `fused` compiles (the tests add "cpu"); MICROSPEC_COMPILE=0: nowhere
-_COMPILE = os.environ.get("MICROSPEC_COMPILE", "1") != "0"
-
-
-def fused(fn):
-    """fn through torch.compile on CUDA: a round's bookkeeping (the tree's top-k bookkeeping, its selection and
-    ancestor masks, the acceptance) is dozens of tiny index and elementwise ops, each its own kernel of ~3 us in
-    the round's graph; Inductor fuses them into a few Triton kernels, which the round's CUDA graph captures like
-    any other (the first round of a bucket runs eagerly, so each shape compiles before its capture). fn itself is
-    the reference (`fn.plain`) and runs everywhere else; a compile that fails warns once and leaves fn."""
-    state = {}
-
-    @functools.wraps(fn)
-    def run(*args):
-        if not _COMPILE or args[0].device.type not in FUSE_DEVICES or state.get("failed"):
-            return fn(*args)
-        if "compiled" not in state:
-            import torch._dynamo
-
-            # one graph per tree shape (its ints are constants), static then dynamic in the batch dimension
-            cfg = torch._dynamo.config
-            for name in ("recompile_limit", "cache_size_limit"):
-                if hasattr(cfg, name):
-                    setattr(cfg, name, max(getattr(cfg, name), 64))
-            state["compiled"] = torch.compile(fn, fullgraph=True)
-        try:
-            return state["compiled"](*args)
-        except Exception as e:  # a toolchain that cannot compile must not stop the engine: fn is correct
-            state["failed"] = True
-            warnings.warn(f"torch.compile of {fn.__name__} failed, it runs unfused: {str(e).splitlines()[0][:200]}")
-            return fn(*args)
-
-    run.plain = fn
-    return run
 
 
 @functools.cache
@@ -131,7 +93,6 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
     return Tree(tokens=tokens, parent=parent, depth=depth, anc=anc)
 
 
-@fused
 def _grow(cur_score, logp, ids, h, anc, step_eye):
     """One expansion's bookkeeping: the path scores of its k x k children [B, k * k], and of them the top-k that
     the next step expands: their pool indices, tokens, scores, parents' draft hiddens and ancestor rows (their
@@ -145,7 +106,6 @@ def _grow(cur_score, logp, ids, h, anc, step_eye):
     return score, best, ids.flatten(1).gather(1, best), score.gather(1, best), feat, anc
 
 
-@fused
 def _tree(root, pool_tok, pool_score, bests, cfg: TreeConfig, c: dict):
     """The pool (every level's candidates: tokens, path scores, and each node's parent, all at once: expansion i's
     k inputs -- the first level, then each level's top-k -- are the parents of its k x k children) -> the tree
@@ -193,7 +153,6 @@ def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
     return _accept(tree.tokens, tree.parent, tree.depth, tree.anc, argmax, _arange(max_path, argmax.device))
 
 
-@fused
 def _accept(tokens, parent, depth, anc, argmax, levels):
     B, N = tokens.shape
     ok = (tokens == argmax.gather(1, parent)) | (depth == 0)
