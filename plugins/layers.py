@@ -6,8 +6,7 @@ long spans; prefill spans of LONG_ROWS rows or more stay on the reference, whose
 Spans, a batched step's prompt chunks and decode rows, one launch for all its parts). The
 projections run their skinny GEMM only at 1-64 rows and only where it measured faster than cuBLAS for the shape
 (`linear_choice`), so that default is never slower than F.linear; `norm_linear` folds the residual add + RMSNorm
-into the next projection's skinny GEMM likewise only where that measured faster than the two calls, and `mlp`
-runs the MLP's three GEMMs as one fused kernel at 1-16 rows likewise.
+into the next projection's skinny GEMM likewise only where that measured faster than the two calls.
 MICROSPEC_PLUGINS=torch keeps the reference everywhere (A/B runs)."""
 from __future__ import annotations
 
@@ -305,49 +304,6 @@ def norm_linear(res: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Ten
             return skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config)
     res, h = add_rms_norm(res, delta, norm_w, eps, offset, delta_w)
     return res, linear(h, w, bias)
-
-
-MLP_ROWS = 16  # rows up to which the MLP may run fused (triton_layers.fused_mlp): its fp32 partial sums,
-# [intermediate blocks, rows, hidden], grow with the rows, and past a few rows cuBLAS streams the weights well
-
-
-def mlp(res: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor, eps: float, offset: float,
-        w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str, delta_w: torch.Tensor | None = None
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MLP sub-layer: norm_linear(res, delta, norm_w, eps, offset, w_gate_up, None, delta_w), then the down
-    projection of act(gate) * up -> (new residual, out). On CUDA outside autograd, up to MLP_ROWS rows, the
-    gate|up GEMM, the activation and the down GEMM may run as one launch (+ one summing the partials:
-    triton_layers.fused_mlp) after add_rms_norm, where that measured faster than the path without it
-    (mlp_choice); off under MICROSPEC_FUSE=0 like the other folds."""
-    if (FUSE and 0 < res.shape[0] <= MLP_ROWS and fast(res, delta, norm_w, w_gate_up, w_down, delta_w)
-            and res.is_contiguous() and (delta is None or delta.is_contiguous()) and w_gate_up.is_contiguous()
-            and w_down.is_contiguous()):
-        config = mlp_choice(res, delta, norm_w, eps, offset, w_gate_up, w_down, act, delta_w)["config"]
-        if config is not None:
-            from .triton_layers import fused_mlp
-            res, h = add_rms_norm(res, delta, norm_w, eps, offset, delta_w)
-            return res, fused_mlp(h, w_gate_up, w_down, act, config)
-    res, gate_up = norm_linear(res, delta, norm_w, eps, offset, w_gate_up, None, delta_w)
-    return res, linear(gate_up, w_down, act=act)
-
-
-def mlp_choice(res, delta, norm_w, eps, offset, w_gate_up, w_down, act, delta_w=None) -> dict:
-    """What `mlp` runs for this shape: fused_mlp's fastest config, or None, measured against norm_linear + the
-    down projection (each on its own default) and kept as linear_choice's. Under the checks: the last config."""
-    from . import triton_layers as tk
-
-    configs = tk.mlp_configs(res.shape[0], w_down.shape[1], w_down.shape[0], res.dtype == torch.float32)
-    if _FORCE:
-        return {"config": configs[-1]}
-
-    def ref():
-        return linear(norm_linear(res, delta, norm_w, eps, offset, w_gate_up, None, delta_w)[1], w_down, act=act)
-
-    def kernel(config):
-        return tk.fused_mlp(add_rms_norm(res, delta, norm_w, eps, offset, delta_w)[1], w_gate_up, w_down, act, config)
-
-    kind = f"mlp {act}" + ("+add" if delta is not None else "") + ("+delta norm" if delta_w is not None else "")
-    return _choice(res, w_gate_up, False, kind, ref, kernel, configs)
 
 
 def norm_linear_choice(res, delta, norm_w, eps, offset, w, bias, rope=None) -> dict:

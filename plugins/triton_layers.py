@@ -10,8 +10,7 @@ or, at 1-64 rows where it measured faster, the skinny GEMM below (one launch, sp
 projection applies the activation itself, and its q|k|v and gate|up projections can take the add + RMSNorm
 before them into their prologue and q|k|v the rotation + KV write after it into its epilogue
 (skinny_norm_linear), each fold one launch fewer: 5 launches a layer (+ attention's combine) when every fold
-is picked. At 1-16 rows the MLP's gate|up GEMM, activation and down GEMM may instead run as one launch (+ one
-summing its partials: fused_mlp), where that measured faster."""
+is picked."""
 from __future__ import annotations
 
 import os
@@ -522,98 +521,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_pt
             tl.store(v_ptr + cache + HEAD_D // 2, y2, mask=v_ok)
         else:
             tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _mlp_kernel(h_ptr, wgu_ptr, wd_ptr, part_ptr, M, D, I, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One program per BLOCK_I intermediate columns: its gate and up columns over the whole input (h [M, D]),
-    act(gate) * up rounded as the reference rounds (the gate|up output, then act_mul's), then that slice's share
-    of the down projection for every output column -> fp32 partials [programs, M, D], summed by _mlp_sum_kernel.
-    Each weight byte is read once by one program, and the grid is the intermediate size's blocks, so a few rows
-    keep every SM streaming weights where the three separate GEMMs each ramp up and drain on their own."""
-    pid = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    ri = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok, i_ok = rm < M, ri < I
-    g = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < D
-        x = tl.load(h_ptr + rm[:, None] * D + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = i_ok[:, None] & k_ok[None, :]
-        wg = tl.load(wgu_ptr + ri[:, None] * D + kk[None, :], mask=w_ok, other=0.0)
-        wu = tl.load(wgu_ptr + (I + ri)[:, None] * D + kk[None, :], mask=w_ok, other=0.0)
-        if IEEE:
-            xf = x.to(tl.float32)
-            g += tl.dot(xf, tl.trans(wg.to(tl.float32)), input_precision="ieee")
-            u += tl.dot(xf, tl.trans(wu.to(tl.float32)), input_precision="ieee")
-        else:
-            g += tl.dot(x, tl.trans(wg))
-            u += tl.dot(x, tl.trans(wu))
-    dtype = h_ptr.dtype.element_ty
-    a = _act(g.to(dtype).to(tl.float32), GELU).to(dtype).to(tl.float32)
-    a = (a * u.to(dtype).to(tl.float32)).to(dtype)  # rows >= M and columns >= I are 0 (act(0) * 0)
-    rn = tl.arange(0, BLOCK_N)
-    for n0 in range(0, D, BLOCK_N):
-        nn = n0 + rn
-        n_ok = nn < D
-        wd = tl.load(wd_ptr + nn[:, None] * I + ri[None, :], mask=n_ok[:, None] & i_ok[None, :], other=0.0)
-        if IEEE:
-            y = tl.dot(a.to(tl.float32), tl.trans(wd.to(tl.float32)), input_precision="ieee")
-        else:
-            y = tl.dot(a, tl.trans(wd))
-        tl.store(part_ptr + (pid * M + rm[:, None]) * D + nn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M", "P"])
-def _mlp_sum_kernel(part_ptr, out_ptr, M, D, P, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[row, cols] = the P partials summed in a fixed order (the same bits every run), rounded to out's dtype."""
-    pid_n, row = tl.program_id(0), tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < D
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        pp = p0 + tl.arange(0, BLOCK_P)
-        part = tl.load(part_ptr + (pp[:, None] * M + row) * D + rn[None, :], mask=(pp < P)[:, None] & n_ok[None, :],
-                       other=0.0)
-        acc += tl.sum(part, axis=0)
-    tl.store(out_ptr + row * D + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-def mlp_configs(M: int, I: int, D: int, fp32: bool) -> list[tuple[int, int, int]]:
-    """The candidates layers.mlp measures: (BLOCK_I, BLOCK_K, BLOCK_N). Intermediate blocks of 32 / 64 / 128
-    columns (a grid of ~2x, ~1x, ~0.5x the SMs at qwen2.5-1.5b's 8,960; more programs, more partials to sum)."""
-    block_k = 64 if fp32 else 128
-    return [(block_i, block_k, 64 if block_i == 128 else 128) for block_i in (32, 64, 128) if block_i <= max(32, I)]
-
-
-def fmt_mlp(config: tuple[int, int, int]) -> str:
-    return "i{}k{}n{}".format(*config)  # BLOCK_I, BLOCK_K, BLOCK_N
-
-
-def fused_mlp(h, w_gate_up, w_down, act, config):
-    """h [M, D] (normed) -> down(act(gate) * up) [M, D] in h's dtype: w_gate_up [2I, D] (gate rows, then up rows),
-    w_down [D, I], act 'silu' or 'gelu'. Two launches: the fused projections (fp32 partials), their sum."""
-    import torch
-
-    from .layers import MLP_ROWS
-
-    M, D = h.shape
-    I = w_down.shape[1]
-    block_i, block_k, block_n = config
-    assert M <= MLP_ROWS and h.is_contiguous() and w_gate_up.is_contiguous() and w_down.is_contiguous()
-    assert w_gate_up.shape == (2 * I, D) and w_down.shape == (D, I)
-    P = triton.cdiv(I, block_i)
-    part = torch.empty(P, M, D, dtype=torch.float32, device=h.device)
-    ieee = h.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    _mlp_kernel[(P,)](h, w_gate_up, w_down, part, M, D, I, GELU=act == "gelu", BLOCK_M=16, BLOCK_I=block_i,
-                      BLOCK_K=block_k, BLOCK_N=block_n, IEEE=ieee, num_warps=4, num_stages=3)
-    out = torch.empty(M, D, dtype=h.dtype, device=h.device)
-    _mlp_sum_kernel[(triton.cdiv(D, 64), M)](part, out, M, D, P, BLOCK_P=16, BLOCK_N=64, num_warps=4)
-    return out
 
 
 def skinny_configs(M: int, N: int, K: int, fp32: bool, sms: int = 132) -> list[tuple[int, int, int]]:

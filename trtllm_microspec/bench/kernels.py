@@ -303,7 +303,7 @@ def fused_ab(cfg: dict, rows: list[int], timer: "Timer", tag: str = "") -> list[
     """The fold of the residual add + RMSNorm into the q|k|v and gate|up GEMMs (layers.norm_linear), and of the
     rotation + KV write into q|k|v's too, against the separate launches (add_rms_norm, linear, rope_cache_write,
     each on its default path): unfused, the fastest fused config, the default (a fold where it measured >= 3%
-    faster at first use); the MLP's three GEMMs in one launch (layers.mlp) likewise; then one whole decoder layer at CONTEXT committed tokens with the folds allowed (the
+    faster at first use); then one whole decoder layer at CONTEXT committed tokens with the folds allowed (the
     default) and switched off (layers.FUSE): us and kernels."""
     from plugins import layers
     from plugins import triton_layers as tk
@@ -381,26 +381,6 @@ def fused_ab(cfg: dict, rows: list[int], timer: "Timer", tag: str = "") -> list[
                     if M <= layers.SKINNY_ROWS else None)
             row(M, "add + RMSNorm + q|k|v + rotary + KV write", t_unfused, best, best_cfg, t_default,
                 f"fused {tuple(pick)}" if pick else "not folded", nbytes)
-            # the MLP: add + RMSNorm, gate|up, act x up, down (layers.mlp): the path without the fused kernel
-            # (norm_linear + the down projection, each on its default) vs fused_mlp's configs vs the default
-            wgu, wd, nw, eps = mlp.gate_up_proj.weight, mlp.down_proj.weight, norm.weight, mc.rms_norm_eps
-            nbytes = (wgu.numel() + wd.numel() + 4 * res.numel()) * 2
-
-            def unfused():
-                return layers.linear(layers.norm_linear(res, delta, nw, eps, 0.0, wgu)[1], wd, act="silu")
-
-            t_unfused = timer(unfused)
-            best, best_cfg = None, None
-            for c in tk.mlp_configs(M, wd.shape[1], wd.shape[0], False) if M <= layers.MLP_ROWS else []:
-                us = timer(lambda c=c: tk.fused_mlp(layers.add_rms_norm(res, delta, nw, eps, 0.0)[1], wgu, wd, "silu", c))
-                if best is None or us < best:
-                    best, best_cfg = us, c
-            t_default = timer(lambda: layers.mlp(res, delta, nw, eps, 0.0, wgu, wd, "silu"))
-            pick = (layers.mlp_choice(res, delta, nw, eps, 0.0, wgu, wd, "silu")["config"]
-                    if M <= layers.MLP_ROWS else None)
-            row(M, "add + RMSNorm + gate|up + SiLU x up + down (the MLP)", t_unfused, best, best_cfg, t_default,
-                f"fused {tuple(pick)}" if pick else "unfused", nbytes, f"{count_kernels(unfused)} unfused, "
-                f"{count_kernels(lambda: layers.mlp(res, delta, nw, eps, 0.0, wgu, wd, 'silu'))} default")
             span = Span(torch.tensor(CONTEXT, device=dev), causal(M, dev), CONTEXT + M)
             args = (rope, pos, pos, span, k_pos, 0, k, v)
             nbytes = sum(p.numel() * 2 for p in block.parameters()) + 2 * k[:, :CONTEXT + M].numel() * 2

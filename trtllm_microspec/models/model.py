@@ -163,12 +163,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
         self.gelu = cfg.gemma
 
-    def forward(self, res, delta, norm_w, eps, offset, delta_w=None):
-        """The add + RMSNorm before it and the MLP -> (new residual, out): layers.mlp (the norm in gate|up's
-        prologue, act_mul in down's, or the three GEMMs in one launch at a few rows, each where measured faster)."""
-        res, y = layers.mlp(res, delta, norm_w, eps, offset, self.gate_up_proj.weight, self.down_proj.weight,
-                            "gelu" if self.gelu else "silu", delta_w)
-        return res, parallel.all_reduce(y) if self.reduce else y
+    def forward(self, gate_up):
+        """gate_up: the output of gate_up_proj (the block runs it, with the norm before it in its prologue)."""
+        y = layers.linear(gate_up, self.down_proj.weight, act="gelu" if self.gelu else "silu")  # act_mul folded in
+        return parallel.all_reduce(y) if self.reduce else y
 
 
 class Block(nn.Module):
@@ -208,8 +206,10 @@ class Block(nn.Module):
             q = layers.rope_cache_write(layers.linear(res, at.qkv_proj.weight, at.qkv_proj.bias), *rope)
         a = at(q, *attn_args)
         gemma = hasattr(self, "pre_feedforward_layernorm")  # a is normed by the post-attention norm first
-        return mlp(res, a, (self.pre_feedforward_layernorm if gemma else norm).weight, norm.eps, norm.offset,
-                   norm.weight if gemma else None)
+        res, gate_up = layers.norm_linear(res, a, (self.pre_feedforward_layernorm if gemma else norm).weight,
+                                          norm.eps, norm.offset, mlp.gate_up_proj.weight, None,
+                                          norm.weight if gemma else None)
+        return res, mlp(gate_up)
 
 
 class KVCache:

@@ -109,8 +109,9 @@ class Eagle3Layer(nn.Module):
         # as models/model.py's Block does
         qkv = layers.linear(torch.cat([self.input_layernorm(emb), h], -1), at.qkv_proj.weight, at.qkv_proj.bias)
         a = at(layers.rope_cache_write(qkv, *at.rope_args(*attn_args)), *attn_args)
-        res, y = mlp(h if self.norm_before_residual else x, a, norm.weight, norm.eps, norm.offset)
-        return res + y
+        res, gate_up = layers.norm_linear(h if self.norm_before_residual else x, a, norm.weight, norm.eps,
+                                          norm.offset, mlp.gate_up_proj.weight, None)
+        return res + mlp(gate_up)
 
 
 class Eagle3Draft(nn.Module):
