@@ -17,7 +17,7 @@ from trtllm_microspec.bench.specbench import data_dir, load_questions
 from trtllm_microspec.cli import main
 from trtllm_microspec.engine.loader import read_config
 from trtllm_microspec.engine.scheduler import Request
-from trtllm_microspec.engine.stats import percentiles
+from trtllm_microspec.engine.stats import load_times, percentiles, request_times
 from trtllm_microspec.llm import FREQ_FILE
 
 CATS = ["mt_bench", "translation", "code"]
@@ -123,6 +123,27 @@ def test_inter_token_latency_on_fixed_times():
     assert r.inter_token_s == pytest.approx([0.5, 0.5, 0.5, 0.1, 0.1, 0.1])
 
 
+def test_load_times_on_fixed_times():
+    """The one timing definition of bench --concurrency (ours and vLLM's): from each request's submission."""
+    # 5 requests submitted at 10.0, first tokens 0.1 .. 0.5 s later, each then one step of 2 tokens 0.4 s later
+    reqs = [(10.0, [(10.0 + f, 1), (10.4 + f, 2)]) for f in (0.4, 0.1, 0.3, 0.2, 0.5)]
+    times, each = load_times(reqs)
+    assert times["ttft_s"] == {"p50": pytest.approx(0.3), "p90": pytest.approx(0.46), "p99": pytest.approx(0.496)}
+    assert times["latency_s"] == {"p50": pytest.approx(0.7), "p90": pytest.approx(0.86), "p99": pytest.approx(0.896)}
+    assert times["itl_s"] == {k: pytest.approx(0.2) for k in ("p50", "p90", "p99")}  # 0.4 s shared by 2 tokens
+    assert [e["ttft_s"] for e in each] == pytest.approx([0.4, 0.1, 0.3, 0.2, 0.5])
+    assert each[0]["inter_token_s"] == pytest.approx([0.2, 0.2])
+    # queued: submitted with the others, its first token only after a slot freed (1.0 s): counted from submission
+    r = request_times(5.0, [(6.0, 1), (6.1, 1), (6.3, 1)])
+    assert r == {"ttft_s": pytest.approx(1.0), "latency_s": pytest.approx(1.3),
+                 "inter_token_s": pytest.approx([0.1, 0.2])}
+    assert request_times(5.0, []) == {"ttft_s": None, "latency_s": None, "inter_token_s": []}
+    with pytest.raises(ValueError):  # a token before its submission: two clocks mixed
+        request_times(5.0, [(4.0, 1)])
+    times, _ = load_times([(0.0, [(1.0, 1)]), (0.0, [])])  # one without tokens (no times) is left out
+    assert times["ttft_s"]["p50"] == 1.0 and times["latency_s"]["p50"] == 1.0 and times["itl_s"]["p50"] is None
+
+
 def test_percentiles_on_fixed_numbers():
     assert percentiles([4.0, 1.0, 3.0, 2.0, 5.0]) == {"p50": 3.0, "p90": 4.6, "p99": pytest.approx(4.96)}
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
@@ -147,7 +168,11 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
         alone = {t["qid"]: t["new_tokens"] for t in res["runs"][name]["turns"] if t["turn"] == 0}
         assert {r["qid"]: r["new_tokens"] for r in b["per_request"]} == alone
         for r in b["per_request"]:
-            assert 0 < r["ttft_s"] <= r["wall_s"] <= b["wall_s"]
+            assert 0 < r["ttft_s"] <= r["latency_s"] <= b["wall_s"]
+        # TTFT from submission: at concurrency 1 the second request waits for the first to finish, so its first
+        # token comes after the first request's last (both submitted at once)
+        assert one["per_request"][1]["ttft_s"] >= one["per_request"][0]["latency_s"] > 0
+        assert one["ttft_s"]["p99"] >= one["per_request"][0]["latency_s"]
         for key in ("ttft_s", "itl_s", "latency_s"):
             p = b[key]
             assert 0 < p["p50"] <= p["p90"] <= p["p99"], (name, key)
@@ -156,15 +181,17 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
         assert f"[bench] {name}: 2 first turns at concurrency 2: " in log.getvalue()
     md = (tmp_path / "results.md").read_text()
     assert "## in-flight batching" in md and "shared by the tokens of the later step" in md
+    assert "TTFT from submission, queueing included, both systems" in md
     table = md.split("## in-flight batching")[1].split("\n\n")[2].splitlines()
     assert [r.split(" | ")[:2] for r in table[2:]] == [["| ar", "1"], ["| ar", "2"], ["| microspec", "1"],
                                                       ["| microspec", "2"]]
     assert (tmp_path / "throughput_latency.png").exists()
-    assert all(len(r.split("|")) == 20 for r in table)
+    assert all(len(r.split("|")) == 23 for r in table)
+    assert table[0].split(" | ")[5] == "TTFT from submission p50" and "latency from submission p50" in table[0]
     for r in table[2:]:  # every cell measured; AR has no acceptance, and every step of both ran one tree size
         cells = [c.strip() for c in r.split("|")[1:-1]]
-        assert "-" not in cells[:16] and (cells[16] == "-") == (cells[0] == "ar"), cells
-        assert cells[17].startswith("1: " if cells[0] == "ar" else "8: ") and "," not in cells[17], cells
+        assert "-" not in cells[:19] and (cells[19] == "-") == (cells[0] == "ar"), cells
+        assert cells[20].startswith("1: " if cells[0] == "ar" else "8: ") and "," not in cells[20], cells
 
 
 # ---- outside references: hf-compiled on the CPU, the conversions vLLM loads (vLLM itself runs on the GPU only)
@@ -203,6 +230,83 @@ def test_vllm_missing_is_a_one_line_error(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("microspec: error: vllm is not installed")
         assert not (tmp_path / "results.json").exists()  # refused before any run
+
+
+def test_references_import_no_vllm():
+    """The bench and its references import vLLM only inside VLLMReference (a CPU machine has none)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trtllm_microspec.bench.specbench, trtllm_microspec.bench.references; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+class _FakeVLLMEngine:
+    """vLLM's LLMEngine as generate_at drives it: add_request, then step() -> the outputs of that step (DELTA: the
+    new tokens), one token per running request per step, 2 ms a step."""
+
+    def __init__(self):
+        self.running, self.most = {}, 0
+
+    def add_request(self, rid, prompt, sp):
+        self.running[rid] = [sp.max_tokens, 0]
+        self.most = max(self.most, len(self.running))
+
+    def step(self):
+        import time
+        from types import SimpleNamespace
+
+        time.sleep(0.002)
+        outs = []
+        for rid, st in list(self.running.items()):
+            st[1] += 1
+            done = st[1] == st[0]
+            outs.append(SimpleNamespace(request_id=rid, finished=done,
+                                        outputs=[SimpleNamespace(token_ids=[7])]))
+            if done:
+                del self.running[rid]
+        return outs
+
+
+def test_vllm_engine_loop_times_from_submission(monkeypatch):
+    """VLLMReference.generate_at on a stand-in for vLLM's engine: at most `concurrency` in flight, every request
+    timed from the call (its submission) by the bench's one timing function, so a queued request's TTFT includes its
+    wait; the bench's summary of its Results is computed as for our engine's."""
+    import sys
+    import time
+    from types import ModuleType, SimpleNamespace
+
+    from trtllm_microspec.bench.references import VLLMReference
+    from trtllm_microspec.bench.specbench import batch_summary
+
+    fake = ModuleType("vllm.sampling_params")
+    fake.RequestOutputKind = SimpleNamespace(DELTA="delta")
+    monkeypatch.setitem(sys.modules, "vllm", ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", fake)
+    ref = object.__new__(VLLMReference)
+    ref.method, ref.max_len, ref.eos_ids = "vllm", 64, [0]
+    ref.tokenizer = SimpleNamespace(prompt_ids=lambda p, chat: [1, 2, 3], decode=lambda ids: "x" * len(ids))
+    ref.SamplingParams, ref.TokensPrompt = SimpleNamespace, dict
+    engine = _FakeVLLMEngine()
+    ref.llm = SimpleNamespace(llm_engine=engine)
+    t0 = time.perf_counter()
+    results = ref.generate_at(["a", "b", "c"], 3, 1)
+    wall = time.perf_counter() - t0
+    assert engine.most == 1 and [r.num_new_tokens for r in results] == [3, 3, 3]
+    assert all(sum(k for _, k in r.emits) == 3 for r in results)
+    first, second, third = (r.stats for r in results)
+    # queued behind the one before: its first token after that one's last, counted from the common submission
+    assert second["ttft_s"] >= first["wall_s"] > first["ttft_s"] > 0 and third["ttft_s"] >= second["wall_s"]
+    assert len(first["inter_token_s"]) == 2 and all(x > 0 for x in first["inter_token_s"])
+    s = batch_summary([{"qid": q} for q in "abc"], results, t0, wall, 1)
+    per = s["per_request"]
+    assert per[1]["ttft_s"] >= per[0]["latency_s"] and per[2]["ttft_s"] >= per[1]["latency_s"]
+    for p, r in zip(per, results):  # the bench's t0 is a little before the call's: the same times, a little longer
+        assert r.stats["ttft_s"] <= p["ttft_s"] < r.stats["ttft_s"] + 0.5
+        assert r.stats["wall_s"] <= p["latency_s"] <= wall
+    assert s["ttft_s"]["p50"] == per[1]["ttft_s"] and s["itl_s"]["p50"] > 0
 
 
 def test_engine_to_hf_dir_loads_in_transformers(engine_dir, tmp_path):

@@ -89,6 +89,9 @@ class Result:
     token_ids: list[int]
     num_new_tokens: int
     stats: dict
+    # (time.perf_counter(), tokens) of each step that emitted any of its tokens (the batched engine, vLLM's engine
+    # loop): what `microspec bench --concurrency` times from the request's submission (engine/stats.py load_times)
+    emits: list[tuple[float, int]] | None = None
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "num_new_tokens": self.num_new_tokens,
@@ -262,7 +265,7 @@ class LLM:
         return Result(text=self.tokenizer.decode(req.out), token_ids=list(req.out), num_new_tokens=len(req.out),
                       stats={"method": self.method, **req.stats.summary(),
                              "ttft_s": req.t_first - req.t_submit if req.t_first else None,
-                             "inter_token_s": req.inter_token_s})
+                             "inter_token_s": req.inter_token_s}, emits=list(req.emits))
 
     def generate(self, prompt: str | list[dict] | list[str | list[dict]], max_new_tokens: int | list[int] = 256,
                  chat: bool = False, **sampling) -> Result | list[Result]:

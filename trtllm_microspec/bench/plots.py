@@ -35,12 +35,13 @@ def plot_all(res: dict, out: Path) -> list[str]:
 
 
 def throughput_latency(batched: dict[str, list[dict]], path: Path) -> None:
-    """Output tokens/s against mean request latency, one line per method through its concurrency levels."""
+    """Output tokens/s against mean request latency (from submission), one line per method through its concurrency levels."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, levels in batched.items():
-        lat = [sum(r["wall_s"] for r in b["per_request"]) / b["requests"] for b in levels]
+        levels = [b for b in levels if all(r["latency_s"] is not None for r in b["per_request"])]  # times known
+        lat = [sum(r["latency_s"] for r in b["per_request"]) / b["requests"] for b in levels]
         ax.plot(lat, [b["output_tokens_per_s"] for b in levels], "o-", label=name)
         for x, b in zip(lat, levels):
             ax.annotate(str(b["concurrency"]), (x, b["output_tokens_per_s"]), fontsize=7)

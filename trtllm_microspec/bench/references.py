@@ -305,33 +305,37 @@ class VLLMReference:
         return results if many else results[0]
 
     def generate_at(self, prompts: list, max_new_tokens: int, concurrency: int, chat: bool = True) -> list:
-        """The prompts through vLLM's own engine loop with at most `concurrency` in flight (the next one added as one
-        finishes, as our scheduler takes them), each with the times the loop saw: TTFT from its submission, its
-        inter-token latencies (a step's new tokens share the time since the request's previous emitting step) and
-        its wall time. Returns their Results in order."""
+        """The prompts through vLLM's own engine loop, all submitted now, at most `concurrency` in flight (the next
+        one added to the engine as one finishes, as our scheduler admits its queued requests), each with the
+        perf_counter time at which every step's new tokens came out of `engine.step()` (Result.emits). Its stats
+        are timed like our engine's under the bench, by the same function (engine/stats.py request_times), from
+        this call, where every request is submitted: TTFT and wall time count the wait for a slot too. Returns their
+        Results in order."""
         from vllm.sampling_params import RequestOutputKind
 
+        from ..engine.stats import request_times
         from ..llm import Result
 
+        t_submit = time.perf_counter()  # every request's submission (the bench times them from its own t0 before it)
         engine = self.llm.llm_engine
         ids = [self.tokenizer.prompt_ids(p, chat) for p in prompts]
         if max(map(len, ids)) >= self.max_len:
             raise UserError(f"a prompt has {max(map(len, ids))} tokens; vllm's context holds {self.max_len}")
         waiting = list(range(len(ids)))[::-1]
-        submitted, emits = {}, {i: [] for i in range(len(ids))}
-        tokens, walls = {i: [] for i in range(len(ids))}, {}
+        admitted, finished = set(), set()
+        emits, tokens = {i: [] for i in range(len(ids))}, {i: [] for i in range(len(ids))}
 
-        def submit() -> None:
+        def admit() -> None:
             i = waiting.pop()
             sp = self.SamplingParams(temperature=0.0, max_tokens=min(max_new_tokens, self.max_len - len(ids[i])),
                                      stop_token_ids=self.eos_ids, detokenize=False,
                                      output_kind=RequestOutputKind.DELTA)
-            submitted[i] = time.perf_counter()
+            admitted.add(i)
             engine.add_request(f"mspec-{i}", self.TokensPrompt(prompt_token_ids=ids[i]), sp)
 
-        while waiting and len(submitted) - len(walls) < concurrency:
-            submit()
-        while len(walls) < len(ids):
+        while waiting and len(admitted) - len(finished) < concurrency:
+            admit()
+        while len(finished) < len(ids):
             outs = engine.step()
             now = time.perf_counter()
             for o in outs:
@@ -341,17 +345,16 @@ class VLLMReference:
                     tokens[i] += new
                     emits[i].append((now, len(new)))
                 if o.finished:
-                    walls[i] = now - submitted[i]
-            while waiting and len(submitted) - len(walls) < concurrency:
-                submit()
+                    finished.add(i)
+            while waiting and len(admitted) - len(finished) < concurrency:
+                admit()
         out = []
         for i in range(len(ids)):
-            e = emits[i]
-            itl = [(t - t0) / k for (t0, _), (t, k) in zip(e, e[1:]) for _ in range(k)]
+            t = request_times(t_submit, emits[i])
             out.append(Result(text=self.tokenizer.decode(tokens[i]), token_ids=tokens[i],
-                              num_new_tokens=len(tokens[i]),
-                              stats={"method": self.method, "new_tokens": len(tokens[i]), "wall_s": walls[i],
-                                     "ttft_s": e[0][0] - submitted[i] if e else None, "inter_token_s": itl}))
+                              num_new_tokens=len(tokens[i]), emits=emits[i],
+                              stats={"method": self.method, "new_tokens": len(tokens[i]), "wall_s": t["latency_s"],
+                                     "ttft_s": t["ttft_s"], "inter_token_s": t["inter_token_s"]}))
         return out
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .. import parallel
-from ..engine.stats import percentiles
+from ..engine.stats import load_times, percentiles
 from ..models.registry import UserError, check_out_dir
 from .references import HF, HF_COMPILED, REFERENCES, VLLM, VLLM_EAGLE, make_reference, require_vllm
 
@@ -139,10 +139,14 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
 
 def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_ids: dict | None) -> list[dict]:
     """--concurrency: every question's first turn submitted at once, at most `c` in flight for each c of the list
-    (the rest join as others finish): throughput and per-request latency per level. Our batched engine takes them
-    with max_batch = c; vLLM through its own engine loop, at most c in flight (its max_num_seqs is the largest c).
-    ar_ids (greedy): AR's tokens per (qid, turn), which each request of a batch must emit alone; its level counts
-    those that differ (None without them: --batched-only)."""
+    (the rest wait for a slot, and join as others finish): throughput and per-request times per level. Our batched
+    engine takes them all with max_batch = c (its scheduler queues the rest); vLLM through its own engine loop, the
+    next one added as one finishes (its max_num_seqs is the largest c). Both sides' times are the bench's, on one
+    clock and by one definition (engine/stats.py load_times): every request of a level is submitted at t0, the time
+    the bench hands the level to the system, so TTFT and latency count from t0, queueing for a slot included, and
+    ITL comes from the times each step's tokens reached the host (Result.emits). ar_ids (greedy): AR's tokens per
+    (qid, turn), which each request of a batch must emit alone; its level counts those that differ (None without
+    them: --batched-only)."""
     every = questions
     if getattr(a, "requests_per_level", None):  # round-robin over the categories: every level samples all of them
         rank: dict[str, int] = defaultdict(int)
@@ -187,9 +191,7 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        per_request = [{"qid": q["qid"], **{k: r.stats.get(k) for k in ("new_tokens", "ttft_s", "wall_s")}}
-                       for q, r in zip(questions, results)]
-        s = batch_summary(per_request, wall, c, [x for r in results for x in r.stats.get("inter_token_s") or []])
+        s = batch_summary(questions, results, t0, wall, c)
         s["mismatches"] = None if not ar_ids else len(
             compare({(q["qid"], 0): r.token_ids for q, r in zip(questions, results)}, ar_ids))
         if ours:
@@ -200,7 +202,8 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
         if fallback:
             s["all_at_once"] = True
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
-            f"{s['output_tokens_per_s']:.1f} output tok/s, TTFT p50 {_fmt(s['ttft_s']['p50'], '.3f')} s, "
+            f"{s['output_tokens_per_s']:.1f} output tok/s, TTFT p50 from submission "
+            f"{_fmt(s['ttft_s']['p50'], '.3f')} s, "
             f"ITL p50 {_fmt(s['itl_s']['p50'] and s['itl_s']['p50'] * 1e3, '.2f')} ms")
         out.append(s)
     return out
@@ -219,13 +222,16 @@ def step_summary(sched) -> dict:
             "tree_sizes": {t: sum(1 for r in ran if r.tree == t) for t in sorted({r.tree for r in ran if r.tree})}}
 
 
-def batch_summary(per_request: list[dict], wall: float, concurrency: int, inter_token: list[float]) -> dict:
-    """inter_token: every request's inter-token latencies (the engine's emission times; none from vLLM)."""
+def batch_summary(questions: list[dict], results: list, t0: float, wall: float, concurrency: int) -> dict:
+    """A level's results, every request submitted at t0 (perf_counter), each with the times its tokens reached the
+    host (Result.emits; None: no per-request times, as vLLM's all-at-once fallback): throughput over the level's
+    wall time, and TTFT / ITL / latency percentiles from `load_times`, the one definition both systems are timed by."""
+    times, each = load_times([(t0, r.emits or []) for r in results])
+    per_request = [{"qid": q["qid"], "new_tokens": r.num_new_tokens, "ttft_s": e["ttft_s"], "latency_s": e["latency_s"]}
+                   for q, r, e in zip(questions, results, each)]
     tokens = sum(r["new_tokens"] for r in per_request)
     return {"concurrency": concurrency, "requests": len(per_request), "wall_s": wall,
-            "requests_per_s": len(per_request) / wall, "output_tokens_per_s": tokens / wall,
-            "ttft_s": percentiles([r["ttft_s"] for r in per_request if r["ttft_s"] is not None]),
-            "itl_s": percentiles(inter_token), "latency_s": percentiles([r["wall_s"] for r in per_request]),
+            "requests_per_s": len(per_request) / wall, "output_tokens_per_s": tokens / wall, **times,
             "per_request": per_request}
 
 
@@ -332,19 +338,24 @@ def markdown(res: dict) -> str:
     if batched:
         ms = lambda p: " | ".join(_fmt(p[k] and p[k] * 1e3, ".1f") for k in ("p50", "p90", "p99"))
         lines += ["", "## in-flight batching (first turns, all submitted at once, at most `concurrency` in flight)", "",
-                  ("TTFT counts from submission (queueing included). Inter-token latency (ITL): over every token "
+                  ("TTFT from submission, queueing included, both systems: every request of a level is submitted "
+                   "when the bench hands the level over, and TTFT = its first token's time - that, latency = its "
+                   "last token's time - that, on one clock, computed by one function for every system (the times "
+                   "a step's tokens reach the host). Inter-token latency (ITL): over every token "
                    "after a request's first, the time between the two steps that emitted it and the one before, "
-                   "shared by the tokens of the later step (a speculative round emits several at once). vLLM runs at "
-                   "the same concurrency through its own engine loop (at most that many requests in flight; its "
-                   "max_num_seqs = the largest level), its times taken in that loop. Differ from AR: greedy requests "
+                   "shared by the tokens of the later step (a speculative round emits several at once). Our engine "
+                   "takes every request with max_batch = concurrency (the rest queue in its scheduler); vLLM runs "
+                   "through its own engine loop, the bench adding the next request as one finishes (at most that "
+                   "many in flight; its max_num_seqs = the largest level). Differ from AR: greedy requests "
                    "whose tokens are not AR's alone (fp32: none; bf16: near ties, as batch shapes change the sums; "
                    "- with --batched-only). Steps: our engine's steps (those with prompt chunks), target rows per "
                    "step p50 / p99, requests preempted, host time per step p50 (ms)."), "",
-                  "| method | concurrency | requests | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | "
-                  "p99 (ms) | differ from AR | steps (mixed) | rows/step p50 / p99 | preempted | step ms p50 | "
-                  "acceptance | decoding steps per tree size |", "|---" * 18 + "|"]
+                  "| method | concurrency | requests | req/s | output tok/s | TTFT from submission p50 | p90 | p99 (ms) "
+                  "| ITL p50 | p90 | p99 (ms) | latency from submission p50 | p90 | p99 (ms) | differ from AR | "
+                  "steps (mixed) | rows/step p50 / p99 | preempted | step ms p50 | acceptance | decoding steps per "
+                  "tree size |", "|---" * 21 + "|"]
         lines += [f"| {n} | {b['concurrency']} | {b['requests']} | {b['requests_per_s']:.2f} | "
-                  f"{b['output_tokens_per_s']:.1f} | {ms(b['ttft_s'])} | {ms(b['itl_s'])} | "
+                  f"{b['output_tokens_per_s']:.1f} | {ms(b['ttft_s'])} | {ms(b['itl_s'])} | {ms(b['latency_s'])} | "
                   f"{_fmt(b.get('mismatches'), 'd')} | {steps_cells(b.get('steps'))} | "
                   f"{_fmt(b.get('acceptance_length'), '.2f')} | {tree_cell(b.get('steps'))} |"
                   for n, levels in batched.items() for b in levels]

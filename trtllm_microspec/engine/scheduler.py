@@ -33,7 +33,7 @@ from plugins.layers import KV_BLOCK
 from ..models.registry import UserError
 from ..speculative.sampling import GREEDY, SamplingParams
 from .block_manager import BlockManager
-from .stats import Stats
+from .stats import Stats, inter_token_gaps
 
 # opt-in until `benchmarks/gpu_reproduce.sh overlap` has compared it with the synchronous step on a GPU (tested on
 # the CPU only): a user's default stays the path that has run there
@@ -83,7 +83,7 @@ class Request:
     def inter_token_s(self) -> list[float]:
         """Inter-token latencies: the time between two emitting steps, shared by the tokens the later one emitted
         (a speculative round emits several at once), so there is one value per token after the first."""
-        return [(t - t0) / k for (t0, _), (t, k) in zip(self.emits, self.emits[1:]) for _ in range(k)]
+        return inter_token_gaps(self.emits)
 
 
 @dataclass

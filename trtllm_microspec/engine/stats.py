@@ -46,3 +46,36 @@ class Stats:
 def percentiles(xs: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict:
     """{"p50": ..., "p90": ..., "p99": ...} (linear interpolation); None each when there is nothing to rank."""
     return {f"p{q}": float(np.percentile(xs, q)) if xs else None for q in qs}
+
+
+# ---- per-request timing under load: one definition for our engine and for the outside references (bench
+# --concurrency). A request is (submit, emits): the time it was submitted, i.e. handed to the system by its caller
+# (queueing for a batch slot comes after it), and the (time, tokens) of each step that emitted any of its tokens, the
+# time when they reached the host; every time on one clock (time.perf_counter).
+
+def inter_token_gaps(emits: list[tuple[float, int]]) -> list[float]:
+    """Inter-token latencies: one value per token after the request's first, the time between the step that emitted
+    it and the request's previous emitting step, shared by the tokens of the later step (a speculative round emits
+    several at once)."""
+    return [(t - t0) / k for (t0, _), (t, k) in zip(emits, emits[1:]) for _ in range(k)]
+
+
+def request_times(submit: float, emits: list[tuple[float, int]]) -> dict:
+    """One request's times from its submission: ttft_s = its first token's time - submit (queueing, prefill
+    included), latency_s = its last token's time - submit, inter_token_s = `inter_token_gaps`; None (and no gaps)
+    for a request that emitted nothing."""
+    if not emits:
+        return {"ttft_s": None, "latency_s": None, "inter_token_s": []}
+    if emits[0][0] < submit:
+        raise ValueError(f"a token at {emits[0][0]} before its request's submission at {submit}: not one clock")
+    return {"ttft_s": emits[0][0] - submit, "latency_s": emits[-1][0] - submit,
+            "inter_token_s": inter_token_gaps(emits)}
+
+
+def load_times(requests: list[tuple[float, list[tuple[float, int]]]]) -> tuple[dict, list[dict]]:
+    """Requests [(submit, emits)] -> ({"ttft_s", "itl_s", "latency_s"}: percentiles over the requests (ITL: over
+    every token after a first, all requests pooled), [request_times of each])."""
+    each = [request_times(s, e) for s, e in requests]
+    return {"ttft_s": percentiles([r["ttft_s"] for r in each if r["ttft_s"] is not None]),
+            "itl_s": percentiles([x for r in each for x in r["inter_token_s"]]),
+            "latency_s": percentiles([r["latency_s"] for r in each if r["latency_s"] is not None])}, each
