@@ -135,7 +135,7 @@ def test_feature_store_takes_the_planned_rows_then_gives_them_back(engine_dir, t
     def spec_eval(*a, **kw):
         gc.collect()
         alive.append(sum(r() is not None for r in refs))
-        return {"eagle": 1.0}
+        return {"eagle": 1.0}, {"eagle": {"qa": 1.0}}
 
     monkeypatch.setattr(train_draft, "spec_eval", spec_eval)
     rows = train_draft._shuffled(pack(tokenize(Tokenizer(engine_dir), convs[:-6], ROW, "rows"), ROW, CPU),
@@ -344,3 +344,4 @@ def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
     assert r["steps"] == 1 and len(r["heldout_acc"]) == EVAL_DEPTHS
     assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no checkpoint
     assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())
+    assert r["acceptance_by_category"] == {m: {"qa": v} for m, v in r["acceptance"].items()}  # one category here

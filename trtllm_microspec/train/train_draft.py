@@ -515,27 +515,31 @@ def _shuffled(packs: list[Pack], seed: int) -> list[Pack]:
 
 
 def spec_eval(engine_dir: Path, draft_dir: Path, device: str | None, max_new_tokens: int,
-              methods: tuple[str, ...] = EVAL_METHODS, questions: int = 1) -> dict:
+              methods: tuple[str, ...] = EVAL_METHODS, questions: int = 1) -> tuple[dict, dict]:
     """Acceptance length (tokens per round, bonus included) of the head on the first turn of the first `questions`
     questions of each EVAL_CATEGORIES category, per method (default tree, every step a round of it: spec_policy
-    fixed, so the number is the head's, not the speculation policy's choice of trees)."""
+    fixed, so the number is the head's, not the speculation policy's choice of trees) -> ({method: overall},
+    {method: {category: acceptance}}): where the head is weak (translation, say) shows per category."""
     from ..bench.specbench import data_dir, load_questions
     from ..llm import LLM
 
     questions = load_questions(data_dir(None), list(EVAL_CATEGORIES), questions)
-    out = {}
+    out, by_cat = {}, {}
     for method in methods:
         llm = LLM(engine_dir, method=method, draft=draft_dir, device=device, spec_policy="fixed")
-        rounds = tokens = 0
+        counts = {}  # category -> [rounds, tokens]
         for q in tqdm(questions, desc=f"acceptance ({method})", unit="prompt", dynamic_ncols=True):
             st = llm.generate(q["turns"][0], max_new_tokens, chat=True).stats
-            rounds, tokens = rounds + st["rounds"], tokens + st["round_tokens"]
-        out[method] = round(tokens / rounds, 3) if rounds else 0.0
+            c = counts.setdefault(q["category"], [0, 0])
+            c[0], c[1] = c[0] + st["rounds"], c[1] + st["round_tokens"]
+        rounds, tokens = sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values())
+        out[method] = round(tokens / rounds, 3) if rounds else None  # no round: no acceptance to report
+        by_cat[method] = {k: round(t / r, 3) if r else None for k, (r, t) in counts.items()}
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # its KV pool back to the device: the next engine sizes its pool from what is free
-    return out
+    return out, by_cat
 
 
 def training_data(engine_dir: Path, tok: Tokenizer, max_len: int, heldout: float, conversations: int | None,
@@ -807,9 +811,11 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # the cached features go back before the evaluation engines load
-        r["acceptance"] = spec_eval(engine_dir, out, device, eval_tokens, eval_methods, eval_questions)
+        r["acceptance"], r["acceptance_by_category"] = spec_eval(engine_dir, out, device, eval_tokens, eval_methods,
+                                                                 eval_questions)
         print(f"[train-draft] acceptance length (tokens per round, {eval_questions} question(s) of each of "
-              f"{len(EVAL_CATEGORIES)} categories): {r['acceptance']}", file=sys.stderr)
+              f"{len(EVAL_CATEGORIES)} categories): {r['acceptance']}; per category: "
+              f"{r['acceptance_by_category']}", file=sys.stderr)
     r["wall_s"] = perf_counter() - t0
     return r
 
