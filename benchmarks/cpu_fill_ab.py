@@ -4,7 +4,7 @@ fp32, the quickstart's CPU tree, six chat prompts of the quickstart's kind, 128 
 against AR's. RANKED: an engine dir with `microspec build-freq` run in it (a copy whose files link to the
 cached engine keeps the cache as it is); PLAIN: one without token_freq.safetensors.
     python benchmarks/cpu_fill_ab.py RANKED PLAIN [OUT.json]"""
-import json, sys
+import json, os, sys
 from trtllm_microspec import LLM
 PROMPTS = {
  "explain": "Explain in a few sentences why the sky is blue.",
@@ -21,7 +21,14 @@ RUNS = [("eagle", RANKED, {}), ("frspec-32k", RANKED, {"method": "frspec"}),
         ("microspec-paper", RANKED, {}), ("microspec", RANKED, {}),
         ("microspec (id-order fill)", PLAIN, {"method": "microspec"}),
         ("microspec-paper k_ver=8", RANKED, {"method": "microspec-paper", "k_ver": 8}),
-        ("microspec k_ver=8", RANKED, {"method": "microspec", "k_ver": 8})]
+        ("microspec k_ver=8", RANKED, {"method": "microspec", "k_ver": 8}),
+        ("microspec k_ver=16", RANKED, {"method": "microspec", "k_ver": 16}),
+        ("microspec k_ver=32", RANKED, {"method": "microspec", "k_ver": 32}),
+        ("microspec k_tree=1", RANKED, {"method": "microspec", "k_tree": 1}),
+        ("microspec k_tree=3", RANKED, {"method": "microspec", "k_tree": 3})]
+ONLY = os.environ.get("RUNS")  # a comma-separated subset of the labels (default: all)
+if ONLY:  # in the order given
+    RUNS = [next(r for r in RUNS if r[0] == label) for label in ONLY.split(",")]
 ar = LLM(RANKED, "ar", device="cpu")
 want = {k: ar.generate(p, N, chat=True).token_ids for k, p in PROMPTS.items()}
 del ar

@@ -49,7 +49,7 @@ def resolve_engine(engine: str | Path) -> Path:
 def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3, static_k: int = 32768,
                 depth: int = 5, top_k: int = 10, total_tokens: int = 60, max_seq_len: int | None = None,
                 tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S, max_batch: int | None = None,
-                kv_memory: float | None = None, max_num_tokens: int | None = None) -> None:
+                kv_memory: float | None = None, max_num_tokens: int | None = None, k_tree: int = 0) -> None:
     """Refuse knobs the engine cannot run, in one line, before they fail deep inside a kernel (a window of 0 ids
     divides by zero, a top-k over fewer candidates than k is out of range, a negative length is a negative size)."""
     vocab = f"the vocabulary has {vocab_size} ids"
@@ -62,6 +62,7 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
     need("static_k", static_k, top_k, vocab_size, f"at least the tree's top_k ids; {vocab}")
     need("k_pre", k_pre, 0, vocab_size, f"0: the window starts from the prompt's own tokens; {vocab}")
     need("k_ver", k_ver, 0, vocab_size, f"0: rounds add only the draft tree's tokens; {vocab}")
+    need("k_tree", k_tree, 0, vocab_size, f"0: none from the tree's other nodes; {vocab}")
     if max_seq_len is not None:
         need("max_seq_len", max_seq_len, 1)
     need("tp", tp, 1)
@@ -102,7 +103,7 @@ class LLM:
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
                  max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
-                 spec_policy: str = "auto", overlap: bool | None = None):
+                 spec_policy: str = "auto", overlap: bool | None = None, k_tree: int = 0):
         """depth / top_k / total_tokens left None: the device's tree (speculative.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
@@ -117,7 +118,7 @@ class LLM:
         self.device, dtype = pick_device(device, dtype)
         tree = tree_for(self.device, depth, top_k, total_tokens)
         check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, tree.depth, tree.top_k,
-                    tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory, max_num_tokens)
+                    tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory, max_num_tokens, k_tree)
         self.method = method
         if spec_policy not in POLICIES:
             raise UserError(f"unknown spec_policy {spec_policy!r}; choose one of {', '.join(POLICIES)}")
@@ -147,6 +148,7 @@ class LLM:
             vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max, ranked_ids=ranked,
                                static_k=static_k, head_ids=head_ids, vocab_size=self.target.cfg.vocab_size)
         self.draft, self.vocab, self.tree, self.k_pre, self.k_ver = draft_model, vocab, tree, k_pre, k_ver
+        self.k_tree = k_tree
         # cache slots a step may write past a request's committed length: AR one, else the largest tree the
         # speculation policy may pick
         self.reserve = 1 if draft_model is None else max(round_reserve(t) for t in tree_shapes(tree, spec_policy) if t)
@@ -249,7 +251,7 @@ class LLM:
             else:
                 runner = SpecRunner(self.target, self.draft, self.vocab, self.tree, self.k_pre, self.k_ver,
                                     self.max_batch, self.kv_memory, self.cuda_graphs, self.max_num_tokens,
-                                    self.spec_policy)
+                                    self.spec_policy, k_tree=self.k_tree)
                 if self.cuda_graphs:  # the policy's step costs measured now, every graph it may pick captured
                     runner.calibrate()
             self._scheduler = Scheduler(runner, self.max_batch, self.overlap)
