@@ -49,7 +49,7 @@ def resolve_engine(engine: str | Path) -> Path:
 def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3, static_k: int = 32768,
                 depth: int = 5, top_k: int = 10, total_tokens: int = 60, max_seq_len: int | None = None,
                 tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S, max_batch: int | None = None,
-                kv_memory: float | None = None, max_num_tokens: int | None = None, k_tree: int = 0) -> None:
+                kv_memory: float | None = None, max_num_tokens: int | None = None, k_tree: int = 3) -> None:
     """Refuse knobs the engine cannot run, in one line, before they fail deep inside a kernel (a window of 0 ids
     divides by zero, a top-k over fewer candidates than k is out of range, a negative length is a negative size)."""
     vocab = f"the vocabulary has {vocab_size} ids"
@@ -103,7 +103,7 @@ class LLM:
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
                  max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
-                 spec_policy: str = "auto", overlap: bool | None = None, k_tree: int = 0):
+                 spec_policy: str = "auto", overlap: bool | None = None, k_tree: int = 3):
         """depth / top_k / total_tokens left None: the device's tree (speculative.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
