@@ -78,3 +78,13 @@ def test_k_tree_range_is_checked(engine_dir, random_draft_dir):
 
     with pytest.raises(UserError, match="k_tree"):
         LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", k_tree=-1, **TREE)
+
+
+def test_k_tree_default_is_microspecs_only():
+    """microspec takes the measured default; microspec-paper and the ablations stay the paper's window (0); a
+    k_tree given is taken as given."""
+    from trtllm_microspec.llm import DEFAULT_K_TREE, k_tree_for
+
+    assert DEFAULT_K_TREE > 0 and k_tree_for("microspec", None) == DEFAULT_K_TREE
+    assert all(k_tree_for(m, None) == 0 for m in ("microspec-paper", "ctx-only", "ext-only", "naive", "eagle"))
+    assert k_tree_for("microspec-paper", 2) == 2 and k_tree_for("microspec", 0) == 0

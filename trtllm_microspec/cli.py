@@ -44,9 +44,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    "start the window (0: only the prompt's own tokens)")
     p.add_argument("--k-ver", type=int, default=3, help="MicroSpec: the target's top-K ids at every accepted "
                    "position join the window each round (0: only the draft tree's tokens)")
-    p.add_argument("--k-tree", type=int, default=3, help="MicroSpec: the target's top-K ids at every tree node it "
-                   "verified, the rejected ones too, join the window each round (0: none, the window before issue "
-                   "37)")
+    p.add_argument("--k-tree", type=int, help="MicroSpec: the target's top-K ids at every tree node it verified, "
+                   "the rejected ones too, join the window each round (0: none; default: 3 for microspec, 0 for "
+                   "microspec-paper and the ablations, the paper's window)")
     p.add_argument("--static-k", type=int, default=32768, help="frspec: the draft may propose the K most frequent "
                    "ids (from --tree-top-k to the vocabulary size)")
     # the tree's knobs default to the device's tree (speculative.tree.tree_for): a 60-token tree costs a CPU several

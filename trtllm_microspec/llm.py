@@ -30,6 +30,16 @@ from .vocab.strategies import METHODS, make_vocab
 
 DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
 FREQ_FILE = "token_freq.safetensors"  # FR-Spec's ranked token ids, stored with the engine
+# microspec's k_tree when none is given (issue 37, benchmarks/cpu_fill_smollm2.md); the other windows take 0, so that
+# microspec-paper and the ablations stay the paper's window
+DEFAULT_K_TREE = 3
+
+
+def k_tree_for(method: str, k_tree: int | None) -> int:
+    """The k_tree a method runs with: the one given, else DEFAULT_K_TREE for microspec and 0 for the rest."""
+    if k_tree is not None:
+        return k_tree
+    return DEFAULT_K_TREE if method == "microspec" else 0
 
 
 def resolve_engine(engine: str | Path) -> Path:
@@ -103,7 +113,7 @@ class LLM:
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
                  max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
-                 spec_policy: str = "auto", overlap: bool | None = None, k_tree: int = 3):
+                 spec_policy: str = "auto", overlap: bool | None = None, k_tree: int | None = None):
         """depth / top_k / total_tokens left None: the device's tree (speculative.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
@@ -111,10 +121,13 @@ class LLM:
         a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
         included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
         the configured tree). overlap: the batched engine schedules and launches an AR step while the one before
-        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: DEFAULT_OVERLAP, off)."""
+        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: DEFAULT_OVERLAP, off).
+        k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node, the rejected
+        ones too (None: k_tree_for's default, 3 for microspec, 0 for the paper's window and the ablations)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
+        k_tree = k_tree_for(method, k_tree)
         self.device, dtype = pick_device(device, dtype)
         tree = tree_for(self.device, depth, top_k, total_tokens)
         check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, tree.depth, tree.top_k,
