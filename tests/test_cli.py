@@ -272,7 +272,7 @@ def test_bad_device(capsys, engine):
 
 def test_k_pre_and_k_ver_zero(capsys, engine, random_draft_dir):
     """0 is allowed and means: the window starts from the prompt's tokens only, and rounds add only the tree's
-    (the paper's window: microspec's fill would top both up to W_max)."""
+    (k_tree 0 too; the paper's window: microspec's fill would top both up to W_max)."""
     def vocab_and_ids(*knobs):
         code, out, err = run(capsys, *gen(engine, "--prompt", "The capital of France is", "--max-new-tokens", 8,
                                           "--json", "--method", "microspec-paper", "--draft", random_draft_dir,
@@ -283,7 +283,7 @@ def test_k_pre_and_k_ver_zero(capsys, engine, random_draft_dir):
         return r["stats"]["vocab_mean"], r["token_ids"]
 
     vocab, ids = vocab_and_ids()
-    vocab0, ids0 = vocab_and_ids("--k-pre", 0, "--k-ver", 0)
+    vocab0, ids0 = vocab_and_ids("--k-pre", 0, "--k-ver", 0, "--k-tree", 0)
     assert ids0 == ids  # still lossless
     assert 0 < vocab0 < vocab  # fewer candidates entered the window
 

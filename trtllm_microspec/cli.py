@@ -44,6 +44,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    "start the window (0: only the prompt's own tokens)")
     p.add_argument("--k-ver", type=int, default=3, help="MicroSpec: the target's top-K ids at every accepted "
                    "position join the window each round (0: only the draft tree's tokens)")
+    p.add_argument("--k-tree", type=int, help="MicroSpec: the target's top-K ids at every tree node it verified, "
+                   "the rejected ones too, join the window each round (0: none; default: 3 for microspec, 0 for "
+                   "microspec-paper and the ablations, the paper's window)")
     p.add_argument("--static-k", type=int, default=32768, help="frspec: the draft may propose the K most frequent "
                    "ids (from --tree-top-k to the vocabulary size)")
     # the tree's knobs default to the device's tree (speculative.tree.tree_for): a 60-token tree costs a CPU several
@@ -105,7 +108,7 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
     from .llm import LLM
 
     return LLM(a.engine, method=method or a.method, draft=a.draft, device=a.device, w_max=a.w_max,
-               k_pre=a.k_pre, k_ver=a.k_ver, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
+               k_pre=a.k_pre, k_ver=a.k_ver, k_tree=a.k_tree, static_k=a.static_k, depth=a.depth, top_k=a.top_k,
                total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
                tp=a.tp, tp_timeout=a.tp_timeout, max_batch=getattr(a, "max_batch", None),
                kv_memory=getattr(a, "kv_memory", None), max_num_tokens=getattr(a, "max_num_tokens", None),

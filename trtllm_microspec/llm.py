@@ -30,6 +30,16 @@ from .vocab.strategies import METHODS, make_vocab
 
 DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
 FREQ_FILE = "token_freq.safetensors"  # FR-Spec's ranked token ids, stored with the engine
+# microspec's k_tree when none is given (issue 37, benchmarks/cpu_fill_smollm2.md); the other windows take 0, so that
+# microspec-paper and the ablations stay the paper's window
+DEFAULT_K_TREE = 3
+
+
+def k_tree_for(method: str, k_tree: int | None) -> int:
+    """The k_tree a method runs with: the one given, else DEFAULT_K_TREE for microspec and 0 for the rest."""
+    if k_tree is not None:
+        return k_tree
+    return DEFAULT_K_TREE if method == "microspec" else 0
 
 
 def resolve_engine(engine: str | Path) -> Path:
@@ -49,7 +59,7 @@ def resolve_engine(engine: str | Path) -> Path:
 def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3, static_k: int = 32768,
                 depth: int = 5, top_k: int = 10, total_tokens: int = 60, max_seq_len: int | None = None,
                 tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S, max_batch: int | None = None,
-                kv_memory: float | None = None, max_num_tokens: int | None = None) -> None:
+                kv_memory: float | None = None, max_num_tokens: int | None = None, k_tree: int = 3) -> None:
     """Refuse knobs the engine cannot run, in one line, before they fail deep inside a kernel (a window of 0 ids
     divides by zero, a top-k over fewer candidates than k is out of range, a negative length is a negative size)."""
     vocab = f"the vocabulary has {vocab_size} ids"
@@ -62,6 +72,7 @@ def check_knobs(vocab_size: int, w_max: int = 3072, k_pre: int = 3, k_ver: int =
     need("static_k", static_k, top_k, vocab_size, f"at least the tree's top_k ids; {vocab}")
     need("k_pre", k_pre, 0, vocab_size, f"0: the window starts from the prompt's own tokens; {vocab}")
     need("k_ver", k_ver, 0, vocab_size, f"0: rounds add only the draft tree's tokens; {vocab}")
+    need("k_tree", k_tree, 0, vocab_size, f"0: none from the tree's other nodes; {vocab}")
     if max_seq_len is not None:
         need("max_seq_len", max_seq_len, 1)
     need("tp", tp, 1)
@@ -105,7 +116,7 @@ class LLM:
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
                  max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
-                 spec_policy: str = "auto", overlap: bool | None = None):
+                 spec_policy: str = "auto", overlap: bool | None = None, k_tree: int | None = None):
         """depth / top_k / total_tokens left None: the device's tree (speculative.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
@@ -113,14 +124,17 @@ class LLM:
         a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
         included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
         the configured tree). overlap: the batched engine schedules and launches an AR step while the one before
-        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: DEFAULT_OVERLAP, off)."""
+        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: DEFAULT_OVERLAP, off).
+        k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node, the rejected
+        ones too (None: k_tree_for's default, 3 for microspec, 0 for the paper's window and the ablations)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
+        k_tree = k_tree_for(method, k_tree)
         self.device, dtype = pick_device(device, dtype)
         tree = tree_for(self.device, depth, top_k, total_tokens)
         check_knobs(read_config(self.engine_dir).vocab_size, w_max, k_pre, k_ver, static_k, tree.depth, tree.top_k,
-                    tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory, max_num_tokens)
+                    tree.total_tokens, max_seq_len, tp, tp_timeout, max_batch, kv_memory, max_num_tokens, k_tree)
         self.method = method
         if spec_policy not in POLICIES:
             raise UserError(f"unknown spec_policy {spec_policy!r}; choose one of {', '.join(POLICIES)}")
@@ -150,6 +164,7 @@ class LLM:
             vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max, ranked_ids=ranked,
                                static_k=static_k, head_ids=head_ids, vocab_size=self.target.cfg.vocab_size)
         self.draft, self.vocab, self.tree, self.k_pre, self.k_ver = draft_model, vocab, tree, k_pre, k_ver
+        self.k_tree = k_tree
         # cache slots a step may write past a request's committed length: AR one, else the largest tree the
         # speculation policy may pick
         self.reserve = 1 if draft_model is None else max(round_reserve(t) for t in tree_shapes(tree, spec_policy) if t)
@@ -252,7 +267,7 @@ class LLM:
             else:
                 runner = SpecRunner(self.target, self.draft, self.vocab, self.tree, self.k_pre, self.k_ver,
                                     self.max_batch, self.kv_memory, self.cuda_graphs, self.max_num_tokens,
-                                    self.spec_policy)
+                                    self.spec_policy, k_tree=self.k_tree)
                 if self.cuda_graphs:  # the policy's step costs measured now, every graph it may pick captured
                     runner.calibrate()
             self._scheduler = Scheduler(runner, self.max_batch, self.overlap)

@@ -371,14 +371,16 @@ class SpecRunner(BatchRunner):
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False,
-                 max_num_tokens: int | None = None, spec_policy: str = "auto", costs: StepCosts | None = None):
+                 max_num_tokens: int | None = None, spec_policy: str = "auto", costs: StepCosts | None = None,
+                 k_tree: int = 0):
         """spec_policy: auto (engine/policy.py: each step's tree from the step's cost and the requests' acceptance)
-        or fixed (always `tree`); costs: the policy's cost model (None: measured by timing padding rounds)."""
+        or fixed (always `tree`); costs: the policy's cost model (None: measured by timing padding rounds).
+        k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node (see _round)."""
         shapes = tree_shapes(tree, spec_policy)
         super().__init__(target, max_batch, kv_memory, cuda_graphs, draft_cfg=draft.cfg,
                          reserve=max(round_reserve(t) for t in shapes if t),
                          max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens)
-        self.draft, self.tree, self.k_pre, self.k_ver = draft, tree, k_pre, k_ver
+        self.draft, self.tree, self.k_pre, self.k_ver, self.k_tree = draft, tree, k_pre, k_ver, k_tree
         self.shapes = shapes
         self.policy = SpecPolicy(shapes, spec_policy, costs or StepCosts(self.measure))
         self.planned: int | None = None  # the shape the scheduler planned this step's budget with
@@ -650,6 +652,14 @@ class SpecRunner(BatchRunner):
             real = (slots != self.pad)[:, None]
             ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
             ver = torch.where((valid & real)[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
+            if self.k_tree:
+                # issue 37: the misses left are content words first seen in the answer, the bonus token of a
+                # round. The target's logits at the tree's rejected nodes are already here: a rejected node is
+                # the accepted prefix with another guess at some depth, so its top ids are the target's next
+                # tokens after a near-identical prefix, mostly those after the bonus token, which the next round
+                # drafts (a look-ahead the accepted path cannot give). After ver: the stream's newest, kept first
+                ext = t.topk(logits.flatten(0, 1), self.k_tree).view(Bb, -1)
+                ver = torch.cat([ver, torch.where(real, ext, -1)], 1)
             # the gathers run on the copy stream, behind the draft forward
             vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), ver)
         feat = d.features(hid)  # [Bb, N, d] the target's hidden (EAGLE-2) or [Bb, N, 3 d] its layers (EAGLE-3)

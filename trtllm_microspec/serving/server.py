@@ -82,7 +82,8 @@ def model_params(a: argparse.Namespace) -> dict[str, str]:
     tree = {k: "" if getattr(a, k) is None else str(getattr(a, k)) for k in ("depth", "top_k", "total_tokens")}
     return {"engine_dir": str(a.engine), "draft_dir": str(a.draft or ""), "method": a.method,
             "device": a.device or "", "w_max": str(a.w_max), "k_pre": str(a.k_pre), "k_ver": str(a.k_ver),
-            "static_k": str(a.static_k), **tree, "max_seq_len": str(a.max_seq_len or ""), "dtype": a.dtype or "",
+            "k_tree": "" if a.k_tree is None else str(a.k_tree), "static_k": str(a.static_k), **tree, "max_seq_len": str(a.max_seq_len or ""),
+            "dtype": a.dtype or "",
             "cuda_graphs": str(not a.eager).lower(), "max_batch": "" if a.max_batch is None else str(a.max_batch),
             "max_num_tokens": "" if a.max_num_tokens is None else str(a.max_num_tokens),
             "kv_memory": "" if a.kv_memory is None else str(a.kv_memory), "tp": str(a.tp),
@@ -488,14 +489,14 @@ def _serve(a: argparse.Namespace) -> None:
         if repo is None:
             from ..cli import resolve_tree
             from ..engine.loader import read_config
-            from ..llm import DRAFT_SUBDIR, check_knobs, resolve_engine
+            from ..llm import DRAFT_SUBDIR, check_knobs, k_tree_for, resolve_engine
 
             a.engine = resolve_engine(a.engine).resolve()  # builds a model key's engine here, not in the stub
             resolve_tree(a, "cuda" if a.gpus else None)  # the tree of the device the model will run on
             # bad knobs fail here in one line, not later as a model that will not load inside the server
             check_knobs(read_config(a.engine).vocab_size, a.w_max, a.k_pre, a.k_ver, a.static_k, a.depth, a.top_k,
                         a.total_tokens, a.max_seq_len, a.tp, a.tp_timeout, a.max_batch, a.kv_memory,
-                        a.max_num_tokens)
+                        a.max_num_tokens, k_tree_for(a.method, a.k_tree))
             draft = Path(a.draft) if a.draft else a.engine / DRAFT_SUBDIR
             if a.method != "ar" and not draft.exists():
                 raise UserError(f"method {a.method} needs a draft head: pass --draft DIR (none at {draft})")

@@ -33,7 +33,7 @@ from .server import STOP_FILE_ENV
 # SamplingParams field -> the optional request input that sets it (TensorRT-LLM's names); none given: greedy
 SAMPLING_INPUTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "random_seed"}
 # config.pbtxt parameters that are numbers (the rest are strings); left out or empty: the LLM's default
-NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "static_k": int, "depth": int, "top_k": int,
+NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "k_tree": int, "static_k": int, "depth": int, "top_k": int,
            "total_tokens": int, "max_seq_len": int, "max_batch": int, "max_num_tokens": int, "kv_memory": float,
            "tp": int, "tp_timeout": float, "tp_port": int}
 # the batch's state on Triton's metrics port (gauges per model instance)

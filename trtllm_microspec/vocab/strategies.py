@@ -7,6 +7,8 @@ Every strategy exposes the same packed view -- rows `packed` [R, d] and the toke
   microspec-paper  the paper's window: Unique(Suffix(S, W_max - P)) over the stream, and the P pinned ids
              S = prompt ++ union of top-K_pre at every prompt position, then per round
                  unique(draft tree ids) ++ unique(top-K_ver of the target at the accepted positions)
+             (and, with the runner's k_tree > 0, ++ unique(top-k_tree of the target at every verified tree node):
+             issue 37, default for microspec only, so microspec-paper stays the paper's)
   microspec  the paper's window with its unused slots filled (FILL below switches it back to the paper's): the
              window's ids, then the most frequent ids of a static ranking that are not in it, W_max ids in
              all; every id the stream brings in displaces the last fill id, never the reverse. Short prompts
