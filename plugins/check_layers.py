@@ -204,10 +204,11 @@ def check_rope(dev, dtype, g, H: int, KV: int, D: int, qk_norm: bool) -> float:
 
 
 def check_attention(dev, dtype, g, H: int, KV: int, D: int, T: int, n: int, S: int, window: int,
-                    kind: str, kernel: bool = True) -> float:
+                    kind: str, kernel: bool = True, plan=None) -> float:
     """kind: 'tree' (T new slots, a random ancestor mask), 'causal', or 'draft' (T rows, the last T of 3T new
     slots, each row seeing a random subset of the earlier new slots and itself). kernel False: the reference path
-    on this device (what a long prefill chunk runs: SDPA, its kv heads repeated on CUDA)."""
+    on this device (what a long prefill chunk runs: SDPA, its kv heads repeated on CUDA). plan: the kernel's
+    (BLOCK_M, BLOCK_N, n_splits, num_warps) instead of attention_plan's (bench-kernels --attention's sweep)."""
     m = 3 * T if kind == "draft" else T
     if kind == "tree":
         new = random_tree(g, T)
@@ -227,8 +228,12 @@ def check_attention(dev, dtype, g, H: int, KV: int, D: int, T: int, n: int, S: i
         q_pos = q_pos[:1].expand(T)
     span = Span(torch.tensor(n, device=dev), new.to(dev), S)
     scale = D ** -0.5
-    with layers.path(kernel):
-        got = layers.attention(q, k, v, span, q_pos, k_pos, window, scale)
+    if plan is not None:
+        from .triton_layers import attention as kernel_attention
+        got = kernel_attention(q, k, v, span, q_pos, k_pos, window, scale, plan)
+    else:
+        with layers.path(kernel):
+            got = layers.attention(q, k, v, span, q_pos, k_pos, window, scale)
     mask = span.mask(window, q_pos, k_pos)[0]
     # a row that sees nothing (possible only with a window in this synthetic test) is left out
     seen = mask.any(1)
@@ -588,6 +593,15 @@ def cases(dev: str, big: bool, g):
                 yield (f"attention {kind} T={T} n={n} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
                        lambda H=H, KV=KV, D=D, T=T, n=n, S=S, w=w, kind=kind:
                        check_attention(dev, dtype, g, H, KV, D, T, n, S, w, kind))
+        # other plans than attention_plan's (the sweep's): splits of the request's own span, more splits than
+        # key blocks, one split, every block size
+        plans = [(64, 64, 16, 8), (16, 32, 1, 2), (32, 128, 5, 4), (128, 64, 3, 8)] if big else \
+                [(16, 16, 7, 4), (32, 32, 1, 2), (16, 16, 2, 1)]
+        for plan in plans:
+            T, n, S = (60, 700, 1024) if big else (12, 40, 64)
+            yield (f"attention tree T={T} n={n} S={S} plan={plan} H={shapes[0][0]}/{shapes[0][1]} {dn}", tol,
+                   lambda T=T, n=n, S=S, plan=plan: check_attention(dev, dtype, g, *shapes[0], T, n, S, 0, "tree",
+                                                                    plan=plan))
         for T, n, S in ([(600, 0, 600), (700, 300, 1000)] if big else [(40, 0, 40), (30, 10, 40)]):  # long chunks
             yield (f"reference attention causal T={T} n={n} S={S} H={shapes[0][0]}/{shapes[0][1]} {dn}", tol,
                    lambda T=T, n=n, S=S: check_attention(dev, dtype, g, *shapes[0], T, n, S, 0, "causal", False))

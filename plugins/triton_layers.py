@@ -179,15 +179,15 @@ def _softmax_step(qk, vis, m_i, l_i, acc, vbase, phys, col_ok, dims, stride_ks, 
 
 # the per-pass ints (rows, spans, splits, the strides of per-pass tensors) are not specialised: Triton compiles a
 # variant per (== 1, % 16) pattern of each specialised int, and under continuous joins new patterns keep appearing
-@triton.jit(do_not_specialize=["T", "m", "stride_new_b", "stride_new", "stride_qpos", "stride_bt", "S", "split_len",
-                               "n_splits"])
+@triton.jit(do_not_specialize=["T", "m", "stride_new_b", "stride_new", "stride_qpos", "stride_bt", "S", "n_splits"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, o_ptr, part_o_ptr, part_ml_ptr,
-                 T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, split_len, n_splits, stride_kh,
+                 T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, n_splits, stride_kh,
                  stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
                  IEEE: tl.constexpr):
-    """One program: BLOCK_M rows (token t, q head kvh*G + g) of request b and one kv head over one split of b's
-    logical key slots. Keys visible to row t: slots < n[b], and new slot n[b] + j where new[b, t, j]; within
+    """One program: BLOCK_M rows (token t, q head kvh*G + g) of request b and one kv head over one split of the
+    logical key slots those rows see (the splits divide the request's own span, not the graph's bound S, so no
+    program idles on slots past it). Keys visible to row t: slots < n[b], and new slot n[b] + j where new[b, t, j]; within
     `window` positions if set. Logical slot s is read at physical slot table[b, s // PAGE] * PAGE + s % PAGE."""
     pid_m, kvh, pid_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, split = pid_bs // n_splits, pid_bs % n_splits
@@ -202,6 +202,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr
     t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, T * G - 1) // G
     # a row sees no new slot after its own (column m - T + t): later slots are skipped, not just masked
     end = tl.minimum(n + m - T + t_last + 1, S)
+    split_len = tl.cdiv(tl.cdiv(end, n_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     stop = tl.minimum(start + split_len, end)
     if WINDOW:
@@ -250,19 +251,18 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, TH, n_splits, NSPLIT: tl.con
 
 
 def attention_plan(T: int, G: int, KV: int, S: int, D: int, sms: int = 132, B: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, split_len, n_splits) for B requests of T rows: enough programs to fill the GPU when the
+    """(BLOCK_M, BLOCK_N, n_splits, num_warps) for B requests of T rows: enough programs to fill the GPU when the
     rows are few (decode, draft steps), one split when the rows alone fill it (prefill, big batches). Static in
     (B, T, S): capturable."""
     rows = T * G
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = 64 if D <= 128 else 32
     programs = triton.cdiv(rows, block_m) * KV * B
-    want = max(1, min(triton.cdiv(S, block_n), sms // programs))
-    split_len = triton.cdiv(triton.cdiv(S, want), block_n) * block_n
-    return block_m, block_n, split_len, triton.cdiv(S, split_len)
+    return block_m, block_n, max(1, min(triton.cdiv(S, block_n), sms // programs)), 4
 
 
-def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
+def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan=None):
+    """plan: attention_plan's tuple, to override it (bench-kernels --attention sweeps it)."""
     import torch
 
     from .layers import KV_BLOCK
@@ -274,7 +274,7 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
     B, T, m = new.shape
     assert R == B * T and q.is_contiguous() and new.stride(2) == 1 and k_cache.stride(-1) == 1
     assert k_pos.stride(0) == 1 and table.stride(1) == 1 and span.n.stride(0) == 1
-    block_m, block_n, split_len, n_splits = attention_plan(T, G, KV, span.S, D, B=B)
+    block_m, block_n, n_splits, warps = plan or attention_plan(T, G, KV, span.S, D, B=B)
     o = torch.empty_like(q)
     split = n_splits > 1
     if split:
@@ -284,10 +284,10 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale):
         part_o = part_ml = o
     grid = (triton.cdiv(T * G, block_m), KV, B * n_splits)
     _attn_kernel[grid](q, k_cache, v_cache, new.view(torch.uint8), q_pos, k_pos, span.n, table, o, part_o, part_ml,
-                       T, H, m, new.stride(0), new.stride(1), q_pos.stride(0), table.stride(0), span.S, split_len,
+                       T, H, m, new.stride(0), new.stride(1), q_pos.stride(0), table.stride(0), span.S,
                        n_splits, k_cache.stride(0), k_cache.stride(1), window, scale,
                        G=G, D=D, PAGE=KV_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, WINDOW=window > 0,
-                       IEEE=q.dtype == torch.float32, num_warps=4)
+                       IEEE=q.dtype == torch.float32, num_warps=warps)
     if split:
         _combine_kernel[(R * H,)](part_o, part_ml, o, R * H, n_splits, NSPLIT=triton.next_power_of_2(n_splits), D=D,
                                   num_warps=1)

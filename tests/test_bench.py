@@ -407,3 +407,22 @@ def test_timeline_trace_labels_every_step(engine_dir, tmp_path):
               if line.startswith("| step with prompt chunks") or line.startswith("| decode-only step")}
     assert ranges["step with prompt chunks"] >= 1 and ranges["decode-only step"] >= 1
     assert "| aten::mm |" in text or "| aten::addmm |" in text or "| aten::linear |" in text
+
+
+def test_timeline_trace_round_pieces(engine_dir, tmp_path):
+    """profile --timeline --trace --method microspec: the eager pass puts each of a round's pieces in its own
+    range, once a round each, the draft layer once per depth step plus the accepted path's pass (the CPU tree:
+    depth 3), and the wrapped functions are the originals again afterwards."""
+    from trtllm_microspec.engine import runner as runner_mod
+
+    before = runner_mod.draft_trees, runner_mod.verify, runner_mod.accept
+    out = tmp_path / "tl"
+    main(["profile", "--engine", str(engine_dir), "--timeline", "--trace", "--method", "microspec", "--batch", "1",
+          "--context", "16", "--new-tokens", "6", "--out", str(out)])
+    assert (runner_mod.draft_trees, runner_mod.verify, runner_mod.accept) == before
+    rows = {line.split("|")[1].strip().split(" (")[0]: float(line.split("|")[2]) for line in
+            out.read_text().split("one round's pieces")[1].splitlines() if line.startswith("| ") and "---" not in line
+            and not line.startswith("| piece")}
+    assert rows["whole round"] == 1 and rows["draft tree"] == 1.0 and rows["verify"] == 1.0
+    assert rows["accept"] == 1.0 and rows["window update"] == 1.0
+    assert rows["draft layer"] >= 3 + 1  # depth steps + the accepted path (+ a catch-up after plain steps)

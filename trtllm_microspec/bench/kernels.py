@@ -462,6 +462,83 @@ def layers_ab(a, timer: Timer) -> None:
     write_report(a.out, "\n".join(lines), dict(meta=meta, rows=rows, fused=fused))
 
 
+# (name, requests, rows each, new slots each, mask) at qwen2.5-1.5b's heads, CONTEXT - 424 = 600 committed slots
+# in a graph bound S = CONTEXT: what a round's attention launches see at one request and under load
+ATTN_CASES = [("AR decode", 1, 1, 1, "causal"), ("draft step", 1, 10, 30, "draft"), ("tree verify", 1, 60, 60, "tree"),
+              ("tree verify, 8 requests", 8, 60, 60, "tree"), ("decode, 64 requests", 64, 1, 1, "causal")]
+
+
+def attention_ab(a, timer: Timer) -> None:
+    """bench-kernels --attention: the Span attention kernel (triton_layers.attention, its KV-split combine
+    included) at the round's shapes, attention_plan's plan against every (BLOCK_M, BLOCK_N, splits, warps)."""
+    import itertools
+
+    from plugins import triton_layers
+    from plugins.layers import KV_BLOCK
+
+    cfg = SHAPES["qwen2.5-1.5b"]
+    H, KV, D = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    S, n0 = CONTEXT, CONTEXT - 424
+    g = torch.Generator().manual_seed(0)
+    plans = [p for p in itertools.product([16, 32, 64], [32, 64], [1, 2, 4, 8, 16, 32], [2, 4, 8])
+             if not (p[0] == 64 and p[3] == 2)]
+    rows = []
+    for name, B, T, m, kind in ATTN_CASES:
+        print(f"bench-kernels --attention: {name} ...", flush=True)
+        blocks = S // KV_BLOCK
+        table = torch.randperm(B * blocks + 7, generator=g)[:B * blocks].view(B, blocks).to(DEVICE)
+        if kind == "tree":
+            new = torch.eye(T, dtype=torch.bool)
+            for i in range(1, T):
+                new[i] |= new[int(torch.randint(max(0, i - 10), i, (1,), generator=g))]
+        elif kind == "draft":
+            new = torch.rand(T, m, generator=g) < 0.3
+            new[:, m - T:] = torch.eye(T, dtype=torch.bool)
+        else:
+            new = torch.ones(T, T, dtype=torch.bool).tril()
+        span = Span(torch.full((B,), n0, device=DEVICE), new.to(DEVICE).expand(B, T, m).contiguous(), S, table)
+        pool = (B * blocks + 7) * KV_BLOCK
+        k = torch.randn(KV, pool, D, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(B * T, H, D, device=DEVICE, dtype=torch.bfloat16)
+        pos = torch.zeros(pool, dtype=torch.long, device=DEVICE)
+        qpos = torch.zeros(B * T, dtype=torch.long, device=DEVICE)
+        nbytes = 2 * B * KV * (n0 + m) * D * 2 + 2 * q.numel() * 2
+
+        def fn(plan=None):
+            return triton_layers.attention(q, k, v, span, qpos, pos, 0, D ** -0.5, plan)
+
+        auto = triton_layers.attention_plan(T, H // KV, KV, S, D, B=B)
+        ref = fn()
+        got = {}
+        for plan in [auto] + plans:
+            if plan in got:
+                continue
+            out = fn(plan)
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            got[plan] = (timer(lambda plan=plan: fn(plan)), err)
+        best = min(got, key=lambda p: got[p][0])
+        rows.append(dict(case=name, B=B, T=T, m=m, kind=kind, n=n0, S=S, bytes=nbytes, auto=list(auto),
+                         auto_us=got[auto][0], best=list(best), best_us=got[best][0],
+                         max_err=max(e for _, e in got.values()),
+                         top=[[list(p), got[p][0]] for p in sorted(got, key=lambda p: got[p][0])[:6]]))
+        print(f"  {name}: plan {auto} {got[auto][0]:.1f} us; best {best} {got[best][0]:.1f} us", flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=a.iters)
+    lines = [f"# bench-kernels --attention on {meta['device']}", "",
+             f"torch {meta['torch']}; medians of {a.iters} CUDA-graph replays, L2 flushed before each; random bf16 "
+             f"q / paged KV at qwen2.5-1.5b's heads ({H} q / {KV} kv heads, D {D}), {n0} committed slots each "
+             f"behind a random block table, graph bound S = {S}; one call = the kernel + the KV-split combine. "
+             f"plan = (BLOCK_M, BLOCK_N, splits, warps); max err: the largest relative error of any plan against "
+             f"attention_plan's output.", "",
+             "| case | plan (attention_plan) | us | best plan | us | GB/s at best | max err | next best |",
+             "|---|---|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+        nxt = ", ".join(f"{tuple(p)} {us:.1f}" for p, us in r["top"][1:4])
+        lines.append(f"| {r['case']} | {tuple(r['auto'])} | {r['auto_us']:.1f} | {tuple(r['best'])} | "
+                     f"{r['best_us']:.1f} | {r['bytes'] / r['best_us'] / 1e3:.0f} | {r['max_err']:.1e} | {nxt} |")
+    write_report(a.out, "\n".join(lines), dict(meta=meta, rows=rows))
+
+
 def targets(rows: list[dict], launch: float) -> list[dict]:
     """The issue's targets, each per shape and row count where it applies."""
     by = {(r["shape"], r["rows"], r["kernel"].split(" (")[0]): r for r in rows}
@@ -535,6 +612,10 @@ def run(a) -> None:
         print(f"bench-kernels: WARNING: ops run the torch reference (backend {plugins.BACKEND}, "
               f"MICROSPEC_PLUGINS={plugins.MODE}); the figures are the reference's", flush=True)
     timer = Timer(a.iters)
+    if a.attention:
+        attention_ab(a, timer)
+        faulthandler.cancel_dump_traceback_later()
+        return
     if a.layers:
         a.shapes, a.rows = a.shapes or ["qwen2.5-1.5b"], a.rows or [1, 4, 16, 32, 60]
         layers_ab(a, timer)
@@ -566,6 +647,8 @@ def register(sub) -> None:
                    "1 4 16 32 60)")
     p.add_argument("--layers", action="store_true", help="instead: the decoder layer's projections, EAGLE's fc and "
                    "the LM head, cuBLAS vs each skinny-GEMM config vs the default path, GB/s and %% of HBM peak")
+    p.add_argument("--attention", action="store_true", help="instead: the attention kernel at a round's shapes "
+                   "(decode, draft step, tree verify, batches), its plan against every block size / KV split / warps")
     p.add_argument("--iters", type=int, default=30, help="timed replays per figure (median)")
     p.add_argument("--w-max", type=int, default=3072)
     p.add_argument("--step-ids", type=int, default=250, help="ids appended to the window per step")

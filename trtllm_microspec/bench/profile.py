@@ -258,8 +258,95 @@ def trace(sched, target, a, g) -> list[str]:
                 "|---|---:|---:|---:|---:|"]
         out += [f"| {cell(e.key[:90])} | {e.count} | {dev(e, 'self_device_time_total') / 1e3:.1f} | "
                 f"{e.count / n_steps:.1f} | {dev(e, 'self_device_time_total') / n_steps:.1f} |" for e in kernels]
+    if hasattr(runner, "draft"):
+        out += ["", *round_phases(sched, target, a, g)]
     for line in out:
         print(f"trace: {line}", flush=True)
+    return out
+
+
+# a round's pieces, by the names runner.py calls them: (label, module, attribute)
+PHASES = [("draft tree (depth steps: draft layer + head + growth, the selection)", "runner", "draft_trees"),
+          ("verify (target pass over the tree + LM head)", "runner", "verify"),
+          ("accept", "runner", "accept"),
+          ("draft layer (every call: the tree's steps, catch-up, the accepted path)", "draft", "hidden"),
+          ("window update (ids in, gathers queued)", "vocab", "update")]
+
+
+def round_phases(sched, target, a, g) -> list[str]:
+    """--trace, speculative: one more pass of the largest batch run eagerly (no graphs: kernels inside a replay
+    carry no range) with each of a round's pieces in a labelled range -> the GPU time of the kernels in each, per
+    round. A kernel runs as long eagerly as replayed; the gaps between them are not counted."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from ..engine import runner as runner_mod
+
+    runner, B = sched.runner, max(a.batch)
+    owners = dict(runner=runner_mod, draft=runner.draft, vocab=runner.vocab)
+    saved = []
+
+    def wrap(label, fn):
+        def inner(*args, **kw):
+            with record_function(label):
+                return fn(*args, **kw)
+        return inner
+
+    for label, owner, name in PHASES:
+        obj = owners[owner]
+        saved.append((obj, name, obj.__dict__.get(name) if owner != "runner" else getattr(obj, name)))
+        setattr(obj, name, wrap(label, getattr(obj, name)))
+    graphs, runner.graphs = runner.graphs, None
+    plain = runner._round
+
+    def one_round(*args, **kw):
+        with record_function("round"):
+            return plain(*args, **kw)
+
+    runner._round = one_round
+    reqs = [sched.add(torch.randint(100, target.cfg.vocab_size, (a.context,), generator=g).tolist(), a.new_tokens)
+            for _ in range(B)]
+    cuda = target.cache.k.is_cuda
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            sched.run(reqs)
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        runner.graphs = graphs
+        del runner.__dict__["_round"]
+        for obj, name, old in saved:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+    rounds = [e for e in prof.events() if e.name == "round"]
+    spans = {label: [e for e in prof.events() if e.name == label] for label, _, _ in PHASES}
+    n = max(len(rounds), 1)
+
+    def gpu_us(ranges) -> tuple[float, int]:  # kernels launched inside the ranges: their GPU time and count
+        us = k = 0
+        todo = list(ranges)
+        while todo:
+            e = todo.pop()
+            us += sum(kern.duration for kern in e.kernels)
+            k += len(e.kernels)
+            todo += e.cpu_children
+        return us, k
+
+    out = [f"## --trace: one round's pieces, batch {B}, eager (kernel GPU time inside each range, per round; "
+           f"{len(rounds)} rounds); the profiler's own device total of the ranges beside", "",
+           "| piece | calls / round | GPU us / round | kernels / round | device total us / round |",
+           "|---|---:|---:|---:|---:|"]
+
+    def total(ranges) -> float:
+        return sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in ranges)
+
+    whole, k_all = gpu_us(rounds)
+    out.append(f"| whole round (plain steps apart) | 1 | {whole / n:.0f} | {k_all / n:.0f} | {total(rounds) / n:.0f} |")
+    for label, _, _ in PHASES:
+        us, k = gpu_us(spans[label])
+        out.append(f"| {label} | {len(spans[label]) / n:.1f} | {us / n:.0f} | {k / n:.0f} | "
+                   f"{total(spans[label]) / n:.0f} |")
     return out
 
 
