@@ -177,16 +177,16 @@ random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/rando
       fi
       for arm in $ARMS; do
         case $arm in
-          sharegpt) args="--heldout-data $DIST --distill-time 0 --loss full" ;;
-          sharegpt-pruned) args="--heldout-data $DIST --distill-time 0 --loss pruned" ;;
-          distilled) args="--data $DIST --loss full" ;;
-          mixed) args="--data $DIST --mix-sharegpt --loss full" ;;
-          mixed-pruned) args="--data $DIST --mix-sharegpt --loss pruned" ;;
-          mixed-pruned-ttt2) args="--data $DIST --mix-sharegpt --loss pruned --ttt-steps 2" ;;
+          sharegpt) args="--heldout-data $DIST --distill-time 0 --loss full --arch eagle2" ;;
+          sharegpt-pruned) args="--heldout-data $DIST --distill-time 0 --loss pruned --arch eagle2" ;;
+          distilled) args="--data $DIST --loss full --arch eagle2" ;;
+          mixed) args="--data $DIST --mix-sharegpt --loss full --arch eagle2" ;;
+          mixed-pruned) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle2" ;;
+          mixed-pruned-ttt2) args="--data $DIST --mix-sharegpt --loss pruned --ttt-steps 2 --arch eagle2" ;;
           mixed-eagle3) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3" ;;   # issue 26 (ttt 3)
           mixed-eagle3-ttt5) args="--data $DIST --mix-sharegpt --loss pruned --arch eagle3 --ttt-steps 5" ;;
-          mixed-fused) args="--data $DIST --mix-sharegpt --loss fused" ;;
-          mixed-pruned-sampled) args="--data $SDIST --heldout-data $DIST --mix-sharegpt --loss pruned" ;;
+          mixed-fused) args="--data $DIST --mix-sharegpt --loss fused --arch eagle2" ;;
+          mixed-pruned-sampled) args="--data $SDIST --heldout-data $DIST --mix-sharegpt --loss pruned --arch eagle2" ;;
           *) echo "unknown head-ab arm $arm"; exit 2 ;;
         esac
         ms train-draft --engine "$KEY" --out "$AB/$arm" --time-limit "$ARM_LIMIT" --save-every 0 --eval \

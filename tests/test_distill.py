@@ -233,7 +233,7 @@ def test_one_command_distills_then_trains(engine_dir, tmp_path, capsys):
     main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--distill-time", "600",
           "--conversations", "4", "--distill-turns", "1", "--distill-max-tokens", "4", "--distill-max-prompt", "200",
           "--max-len", "256", "--steps", "1", "--batch-tokens", "256", "--heldout", "0.25", "--device", "cpu",
-          "--save-every", "0"])
+          "--save-every", "0", "--arch", "eagle2"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["distill"]["run"]["conversations"] + r["distill"]["run"]["skipped"] == 4
     assert r["data"] == "distilled" and r["steps"] == 1 and (tmp_path / "distilled" / MANIFEST).exists()
@@ -265,7 +265,8 @@ def test_time_limit_alone_is_the_recipe(engine_dir, tmp_path, capsys):
     ShareGPT; --distill-time 0 trains on ShareGPT alone; a negative one is refused in one line."""
     common = ["--engine", str(engine_dir), "--conversations", "4", "--distill-turns", "1", "--distill-max-tokens",
               "4", "--distill-max-prompt", "200", "--max-len", "256", "--steps", "1", "--batch-tokens", "256",
-              "--heldout", "0.25", "--device", "cpu", "--save-every", "0", "--time-limit", "900"]
+              "--heldout", "0.25", "--device", "cpu", "--save-every", "0", "--time-limit", "900",
+              "--arch", "eagle2"]
     main(["train-draft", "--out", str(tmp_path / "a"), *common])
     out, err = capsys.readouterr()
     r = json.loads(out.strip().splitlines()[-1])
@@ -332,7 +333,7 @@ def test_loss_fused_needs_cuda(engine_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SystemExit) as e:
         main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "4",
-              "--device", "cpu", "--steps", "1", "--loss", "fused"])
+              "--device", "cpu", "--steps", "1", "--loss", "fused", "--arch", "eagle2"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("microspec: error: --loss fused runs a Triton kernel")
 

@@ -69,7 +69,7 @@ def test_train_draft_eval_finds_the_packaged_data(lone_clone, engine_dir):
     out = run(lone_clone, "from trtllm_microspec.train import train_draft; train_draft.EVAL_CATEGORIES = ('qa',); "
               "from trtllm_microspec.cli import main; main(['train-draft', '--engine', "
               f"{str(engine_dir)!r}, '--out', 'head', '--conversations', '6', '--max-len', '64', '--steps', '1', "
-              "'--batch-tokens', '64', '--device', 'cpu', '--save-every', '0', '--eval', '--eval-tokens', '4'])")
+              "'--batch-tokens', '64', '--device', 'cpu', '--save-every', '0', '--eval', '--eval-tokens', '4', '--arch', 'eagle2'])")
     r = json.loads(out.strip().splitlines()[-1])
     assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())
 

@@ -339,9 +339,18 @@ def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_draft, "EVAL_CATEGORIES", ("qa",))  # one short prompt: the CPU is slow
     main(["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--conversations", "6",
           "--max-len", "64", "--steps", "1", "--batch-tokens", "64", "--ttt-steps", "1", "--device", "cpu",
-          "--save-every", "0", "--eval", "--eval-tokens", "8"])
+          "--save-every", "0", "--eval", "--eval-tokens", "8", "--arch", "eagle2"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["steps"] == 1 and len(r["heldout_acc"]) == EVAL_DEPTHS
     assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no checkpoint
     assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())
     assert r["acceptance_by_category"] == {m: {"qa": v} for m, v in r["acceptance"].items()}  # one category here
+
+
+def test_recipe_trains_eagle3_by_default():
+    """train-draft's default head is EAGLE-3 (the better recipe on the H200), EAGLE-2 on asking, its ttt default 3."""
+    from trtllm_microspec.cli import build_parser
+
+    a = build_parser().parse_args(["train-draft", "--engine", "e", "--out", "o"])
+    assert a.arch == "eagle3" and a.ttt_steps is None
+    assert build_parser().parse_args(["train-draft", "--engine", "e", "--out", "o", "--arch", "eagle2"]).arch == "eagle2"

@@ -319,6 +319,9 @@ def round_phases(sched, target, a, g) -> list[str]:
                 delattr(obj, name)
             else:
                 setattr(obj, name, old)
+    failed = [r.error for r in reqs if getattr(r, "error", None)]
+    if failed:  # the scheduler fails a request whose step raised and goes on: say so, not "0 rounds"
+        return [f"## --trace: one round's pieces: the eager pass failed ({failed[0]})"]
     rounds = [e for e in prof.events() if e.name == "round"]
     spans = {label: [e for e in prof.events() if e.name == label] for label, _, _ in PHASES}
     n = max(len(rounds), 1)
