@@ -259,3 +259,22 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
     ar = LLM(engine_dir, "ar", device="cpu")
     out = lazy[-1][5]
     assert out == ar.generate(CASES[0][0], len(out)).token_ids
+
+
+def test_round_variants_are_two(engine_dir):
+    """Rounds after 1, 3 and 6 plain steps pad their catch-up to the lag buffer's rows: one graph key for a round
+    with a catch-up and one without (a key per lag made the `auto` policy meet a new graph every few steps)."""
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=1, **SPEC)
+    sched = llm.scheduler()
+    runner = sched.runner
+    steps = [0, 2, 2, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 2, 2]
+    runner.policy.choose = lambda reqs, rows: steps.pop(0)
+    keys, launch = [], runner.launch
+    runner.launch = lambda key, fn: (keys.append(key), launch(key, fn))
+    req = sched.add(llm.prompt_ids(CASES[0][0]), 200)
+    while steps and not req.done:
+        sched.step()
+    assert not steps
+    rounds = {k for k in keys if runner.shapes[k[0]] is not None}
+    assert {k[-1] for k in rounds} == {0, runner.lag_max}  # a round without pending rows, and with them padded
+    assert len({(k[0], k[1], k[2], k[4]) for k in rounds}) == 1  # (S, the KV span, is exact off CUDA graphs)
