@@ -88,3 +88,33 @@ def test_k_tree_default_is_microspecs_only():
     assert DEFAULT_K_TREE > 0 and k_tree_for("microspec", None) == DEFAULT_K_TREE
     assert all(k_tree_for(m, None) == 0 for m in ("microspec-paper", "ctx-only", "ext-only", "naive", "eagle"))
     assert k_tree_for("microspec-paper", 2) == 2 and k_tree_for("microspec", 0) == 0
+
+
+def test_one_top_k_serves_path_and_nodes(engine_dir, random_draft_dir, monkeypatch):
+    """With k_tree the round takes one top-K over every node's logits: the ids it hands the window are each path
+    node's top-k_ver (a block of them is some node's top-3, largest first) and every node's top-k_tree after them."""
+    llm = LLM(engine_dir, "microspec-paper", draft=random_draft_dir, device="cpu", k_tree=2, k_ver=3, **TREE)
+    runner = llm.scheduler().runner
+    seen, logits_of = [], []
+    real_verify, real_update = runner_mod.verify, runner.vocab.update
+
+    def verify(*a, **kw):
+        hid, logits = real_verify(*a, **kw)
+        logits_of.append(logits)
+        return hid, logits
+
+    def update(batch, tree_ids, ver_ids):
+        seen.append((logits_of[-1], ver_ids.clone()))
+        real_update(batch, tree_ids, ver_ids)
+
+    monkeypatch.setattr(runner_mod, "verify", verify)
+    monkeypatch.setattr(runner.vocab, "update", update)
+    llm.generate(PROMPT, 12, chat=True)
+    assert seen
+    for logits, ver in seen:
+        N = logits.shape[1]
+        top3 = logits[0].topk(3, -1).indices  # [N, 3]
+        assert torch.equal(ver[0, -N * 2:], logits[0].topk(2, -1).indices.flatten())
+        blocks = ver[0, :-N * 2].view(-1, 3)
+        blocks = blocks[blocks[:, 0] >= 0]
+        assert len(blocks) >= 1 and all((top3 == b).all(1).any() for b in blocks)

@@ -653,16 +653,20 @@ class SpecRunner(BatchRunner):
             # the target's top-K_ver ids for the window (none for a shared vocabulary, nor ctx-only's frozen
             # window); a padding row adds nothing to the padding slot's window
             real = (slots != self.pad)[:, None]
-            ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
-            ver = torch.where((valid & real)[:, :, None], ver.view(Bb, P, -1), -1).flatten(1)
+            if self.k_tree:  # one top-K over every node's logits, the accepted path's rows among them
+                kt = max(self.k_ver, self.k_tree)
+                top = t.topk(logits.flatten(0, 1), kt).view(Bb, N, kt)
+                ver = top.gather(1, path[:, :, None].expand(Bb, P, kt))[:, :, :self.k_ver]
+            else:
+                ver = t.topk(logits.gather(1, path[:, :, None].expand(Bb, P, V)).flatten(0, 1), self.k_ver)
+            ver = torch.where((valid & real)[:, :, None], ver.reshape(Bb, P, -1), -1).flatten(1)
             if self.k_tree:
                 # issue 37: the misses left are content words first seen in the answer, the bonus token of a
                 # round. The target's logits at the tree's rejected nodes are already here: a rejected node is
                 # the accepted prefix with another guess at some depth, so its top ids are the target's next
                 # tokens after a near-identical prefix, mostly those after the bonus token, which the next round
                 # drafts (a look-ahead the accepted path cannot give). After ver: the stream's newest, kept first
-                ext = t.topk(logits.flatten(0, 1), self.k_tree).view(Bb, -1)
-                ver = torch.cat([ver, torch.where(real, ext, -1)], 1)
+                ver = torch.cat([ver, torch.where(real, top[:, :, :self.k_tree].flatten(1), -1)], 1)
             # the gathers run on the copy stream, behind the draft forward
             vocab.update(slots, torch.where(real, tree.tokens[:, 1:], -1), ver)
         feat = d.features(hid)  # [Bb, N, d] the target's hidden (EAGLE-2) or [Bb, N, 3 d] its layers (EAGLE-3)
