@@ -474,6 +474,7 @@ def attention_ab(a, timer: Timer) -> None:
     import itertools
 
     from plugins import triton_layers
+    from plugins.check_layers import random_tree
     from plugins.layers import KV_BLOCK
 
     cfg = SHAPES["qwen2.5-1.5b"]
@@ -488,9 +489,7 @@ def attention_ab(a, timer: Timer) -> None:
         blocks = S // KV_BLOCK
         table = torch.randperm(B * blocks + 7, generator=g)[:B * blocks].view(B, blocks).to(DEVICE)
         if kind == "tree":
-            new = torch.eye(T, dtype=torch.bool)
-            for i in range(1, T):
-                new[i] |= new[int(torch.randint(max(0, i - 10), i, (1,), generator=g))]
+            new = random_tree(g, T, reach=10)
         elif kind == "draft":
             new = torch.rand(T, m, generator=g) < 0.3
             new[:, m - T:] = torch.eye(T, dtype=torch.bool)

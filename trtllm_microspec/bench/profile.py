@@ -293,7 +293,7 @@ def round_phases(sched, target, a, g) -> list[str]:
 
     for label, owner, name in PHASES:
         obj = owners[owner]
-        saved.append((obj, name, obj.__dict__.get(name) if owner != "runner" else getattr(obj, name)))
+        saved.append((obj, name, obj.__dict__.get(name)))  # None: a method of the class, not the instance's own
         setattr(obj, name, wrap(label, getattr(obj, name)))
     graphs, runner.graphs = runner.graphs, None
     plain = runner._round
