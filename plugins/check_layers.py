@@ -155,22 +155,20 @@ def check_norm_qkv_rope(dev, dtype, g, M: int, H: int, KV: int, D: int, K: int, 
 
 
 def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, act: bool, bias: bool,
-                            norm: bool = False, rope: bool = False, pdl: bool = False) -> dict:
+                            norm: bool = False, rope: bool = False):
     """Compile the skinny GEMM for sm_90 without a GPU (Triton's own ptxas), with the 16-divisibility Triton
-    infers for real shapes: -> {"smem": shared memory bytes, "pipelined": whether the K loop streams through
-    cp.async, "pdl_ordered": with pdl, whether the weight prefetches come before griddepcontrol.wait and every
-    other global load, store and atomic after it (what makes the early launch safe)}."""
+    infers for real shapes: -> (shared memory bytes, whether the K loop is pipelined through cp.async)."""
     from triton import compile as build
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .triton_layers import PF_LINES, _skinny_kernel
+    from .triton_layers import _skinny_kernel
 
     dt = "fp32" if fp32 else "bf16"
     block_n, block_k, splits = config
     const = dict(HAS_BIAS=bias, ACT=act, GELU=act, SPLIT=splits > 1, NORM=norm, HAS_DELTA=norm, ROPE=rope,
                  HEAD_D=128, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k,
-                 IEEE=fp32, PDL=pdl, PF_LINES=PF_LINES, PF_LINE=32 if fp32 else 64)
+                 IEEE=fp32)
     sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}, "part_ptr": "*fp32",
            **{p: f"*{dt}" for p in ("d_ptr", "nw_ptr", "res_ptr")}, "sq_ptr": "*fp32", "cnt_ptr": "*i32",
            "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
@@ -182,14 +180,8 @@ def build_skinny_for_hopper(M: int, config: tuple[int, int, int], fp32: bool, ac
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig
              if n not in const and n not in ("M", "n_splits", "eps", "offset", "H", "KV", "stride_pos", "stride_slot")}
     k = build(ASTSource(_skinny_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-              options=dict(num_warps=4, num_stages=3 if fp32 or M > 16 else 4, launch_pdl=pdl))
-    ptx = k.asm["ptx"].splitlines()
-    at = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
-    mem = [i for i, line in enumerate(ptx) if any(op in line for op in ("ld.global", "st.global", "cp.async.",
-                                                                        "atom.", "red."))]
-    pf = [i for i, line in enumerate(ptx) if "prefetch.global.L2" in line]
-    ordered = bool(at) and bool(pf) and max(pf) < at[0] < min(mem, default=len(ptx))
-    return dict(smem=k.metadata.shared, pipelined=any("cp.async" in line for line in ptx), pdl_ordered=ordered)
+              options=dict(num_warps=4, num_stages=3 if fp32 or M > 16 else 4))
+    return k.metadata.shared, "cp.async" in k.asm["ptx"]
 
 
 def check_rope(dev, dtype, g, H: int, KV: int, D: int, qk_norm: bool) -> float:

@@ -235,10 +235,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
 
 
 SKINNY_ROWS = 64  # rows up to which a projection may run the Triton skinny GEMM (decode, draft and verify steps)
-# the skinny GEMM replaces cuBLAS only when at least 3% faster alone (timing noise must not flip choices);
-# MICROSPEC_SKINNY_MARGIN overrides it for A/B runs (above 1: the skinny GEMM also where slightly slower alone, so
-# that a layer's launches chain under programmatic dependent launch, which cuBLAS's kernels do not take part in)
-MARGIN = float(os.environ.get("MICROSPEC_SKINNY_MARGIN", "0.97"))
+MARGIN = 0.97  # the skinny GEMM replaces cuBLAS only when at least 3% faster (timing noise must not flip choices)
 FUSE = os.environ.get("MICROSPEC_FUSE", "1") != "0"  # norm_linear may fold the add + RMSNorm into its GEMM
 # (0: never, for A/B runs of the whole model; bench-kernels --layers switches it per measurement)
 _LINEAR: dict[tuple, dict] = {}  # per process: (device, N, K, rows bucket, dtype, bias, act) -> the measurement

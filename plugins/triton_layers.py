@@ -18,62 +18,6 @@ import os
 import triton
 import triton.language as tl
 
-# Programmatic dependent launch (Hopper and later): each kernel here is launched so that it may start while the
-# kernel before it in the stream is still finishing, and waits for it (griddepcontrol.wait) before it reads
-# anything that kernel could have written and before it writes anything; then it lets the next kernel launch.
-# What it may do before the wait: read weights (parameters no kernel writes) -- the skinny GEMM prefetches its
-# first weight tiles into L2 there. A decode step is a chain of ~10 small launches a layer, each paying a launch
-# and a ramp with the GPU's bandwidth idle (one layer of qwen2.5-1.5b at one row: 63 us for 22 us of bytes); this
-# overlaps them. MICROSPEC_PDL=0 switches it off (A/B runs); never under the interpreter (CPU tests), nor below
-# sm_90 (the instructions do not exist there).
-_PDL: dict = {}  # device index -> on or off, decided at its first launch
-
-
-def pdl(device) -> bool:
-    """Launch this device's kernels with programmatic dependent launch (and their waits compiled in)."""
-    got = _PDL.get(device.index)
-    if got is None:
-        import torch
-
-        got = _PDL[device.index] = (device.type == "cuda" and os.environ.get("MICROSPEC_PDL", "1") != "0"
-                                    and os.environ.get("TRITON_INTERPRET") != "1"
-                                    and torch.cuda.get_device_capability(device)[0] >= 9)
-    return got
-
-
-def set_pdl(on: bool | None) -> None:
-    """Force PDL on or off for every device (bench-kernels' A/B; None: decide again from the environment).
-    Graphs captured before keep what they captured."""
-    _PDL.clear()
-    if on is not None:
-        import torch
-
-        for i in range(torch.cuda.device_count()):
-            _PDL[i] = bool(on) and torch.cuda.get_device_capability(i)[0] >= 9
-
-
-def _launch(flag: bool) -> dict:
-    """The launch options of a kernel launched with PDL = flag."""
-    return {"launch_pdl": True} if flag else {}
-
-
-@triton.jit
-def _gdc(PDL: tl.constexpr):
-    """Wait for the kernel before (its writes visible), then let the one after launch. Everything a kernel reads
-    that another kernel writes, and everything it writes, comes after this."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask, base):
-    """Ask L2 for the lines at ptrs where mask (elsewhere: base's line, harmless); one instruction an element, no
-    register held and nothing waits for it."""
-    at = tl.where(mask, ptrs, base).to(tl.int64)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
 
 @triton.jit
 def _rms(x, w_ptr, cols, col_ok, n_cols, eps, offset):
@@ -84,9 +28,7 @@ def _rms(x, w_ptr, cols, col_ok, n_cols, eps, offset):
 
 @triton.jit
 def _add_rms_norm_kernel(res_ptr, delta_ptr, w_ptr, dw_ptr, res_out_ptr, h_ptr, n_cols, eps, offset,
-                         HAS_DELTA: tl.constexpr, NORM_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-    _gdc(PDL)
+                         HAS_DELTA: tl.constexpr, NORM_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -111,16 +53,14 @@ def add_rms_norm(res, delta, w, eps, offset, delta_w=None):
     out = torch.empty_like(res) if delta is not None else res
     _add_rms_norm_kernel[(T,)](res, delta if delta is not None else res, w, delta_w if delta_w is not None else w,
                                out, h, d, eps, offset, HAS_DELTA=delta is not None, NORM_DELTA=delta_w is not None,
-                               BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8, PDL=pdl(res.device),
-                               **_launch(pdl(res.device)))
+                               BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
     return out, h
 
 
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr,
                        H, KV, stride_pos, stride_slot, stride_kh, stride_ks, eps,
-                       D: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
-    _gdc(PDL)
+                       D: tl.constexpr, QK_NORM: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: a q head; H..H+KV-1: a k head (and its v head)
     half = tl.arange(0, D // 2)
@@ -166,8 +106,7 @@ def rope_cache_write(qkv, heads, kv_heads, rope, positions, slots, k_cache, v_ca
     _rope_cache_kernel[(T, heads + kv_heads)](qkv, rope[0], rope[1], positions, slots, q, k_cache, v_cache, qn, kn,
                                               heads, kv_heads, positions.stride(0), slots.stride(0),
                                               k_cache.stride(0), k_cache.stride(1), eps,
-                                              D=D, QK_NORM=qk_norm is not None, num_warps=1 if D <= 128 else 2,
-                                              PDL=pdl(qkv.device), **_launch(pdl(qkv.device)))
+                                              D=D, QK_NORM=qk_norm is not None, num_warps=1 if D <= 128 else 2)
     return q
 
 
@@ -183,8 +122,7 @@ def _act(g, GELU: tl.constexpr):
 
 
 @triton.jit
-def _act_mul_kernel(gu_ptr, out_ptr, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _gdc(PDL)
+def _act_mul_kernel(gu_ptr, out_ptr, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -202,9 +140,7 @@ def act_mul(gate_up, gelu):
     assert gate_up.is_contiguous()
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    on = pdl(gate_up.device)
-    _act_mul_kernel[(T, triton.cdiv(I2 // 2, BLOCK))](gate_up, out, I2 // 2, GELU=gelu, BLOCK=BLOCK, num_warps=4,
-                                                     PDL=on, **_launch(on))
+    _act_mul_kernel[(T, triton.cdiv(I2 // 2, BLOCK))](gate_up, out, I2 // 2, GELU=gelu, BLOCK=BLOCK, num_warps=4)
     return out
 
 
@@ -248,12 +184,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr
                  T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, n_splits, stride_kh,
                  stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr):
+                 IEEE: tl.constexpr):
     """One program: BLOCK_M rows (token t, q head kvh*G + g) of request b and one kv head over one split of the
     logical key slots those rows see (the splits divide the request's own span, not the graph's bound S, so no
     program idles on slots past it). Keys visible to row t: slots < n[b], and new slot n[b] + j where new[b, t, j]; within
     `window` positions if set. Logical slot s is read at physical slot table[b, s // PAGE] * PAGE + s % PAGE."""
-    _gdc(PDL)
     pid_m, kvh, pid_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, split = pid_bs // n_splits, pid_bs % n_splits
     t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -301,9 +236,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr
 
 
 @triton.jit(do_not_specialize=["TH", "n_splits"])  # per-pass ints, as _attn_kernel's
-def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, TH, n_splits, NSPLIT: tl.constexpr, D: tl.constexpr,
-                    PDL: tl.constexpr):
-    _gdc(PDL)
+def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, TH, n_splits, NSPLIT: tl.constexpr, D: tl.constexpr):
     r = tl.program_id(0)  # one (token, head) row
     splits = tl.arange(0, NSPLIT)
     ok = splits < n_splits
@@ -355,10 +288,10 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan=None)
                        T, H, m, new.stride(0), new.stride(1), q_pos.stride(0), table.stride(0), span.S,
                        n_splits, k_cache.stride(0), k_cache.stride(1), window, scale,
                        G=G, D=D, PAGE=KV_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, WINDOW=window > 0,
-                       IEEE=q.dtype == torch.float32, num_warps=warps, PDL=pdl(q.device), **_launch(pdl(q.device)))
+                       IEEE=q.dtype == torch.float32, num_warps=warps)
     if split:
         _combine_kernel[(R * H,)](part_o, part_ml, o, R * H, n_splits, NSPLIT=triton.next_power_of_2(n_splits), D=D,
-                                  num_warps=1, PDL=pdl(q.device), **_launch(pdl(q.device)))
+                                  num_warps=1)
     return o
 
 
@@ -375,11 +308,10 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan=None)
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, tiles_ptr, seqs_ptr, o_ptr, H,
                    stride_qpos, stride_bt, stride_kh, stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr):
+                   IEEE: tl.constexpr):
     """One program: row block `blk` (BLOCK_M rows of (token t, q head kvh*G + g)) of sequence `seq` and one kv
     head. seqs[seq] = (first row in the pass, rows T); n[seq] committed slots; row t sees logical slots
     < n + t + 1 (within `window` positions if set), read at physical table[seq, s // PAGE] * PAGE + s % PAGE."""
-    _gdc(PDL)
     tile, kvh = tl.program_id(0), tl.program_id(1)
     seq, blk = tl.load(tiles_ptr + 2 * tile), tl.load(tiles_ptr + 2 * tile + 1)
     row0, T = tl.load(seqs_ptr + 2 * seq), tl.load(seqs_ptr + 2 * seq + 1)
@@ -467,8 +399,7 @@ def attention_varlen(q, k_cache, v_cache, spans, q_pos, k_pos, window, scale):
     _varlen_kernel[(tiles.shape[0], KV)](q, k_cache, v_cache, q_pos, k_pos, n, table, tiles, seqs, o, H,
                                          q_pos.stride(0), table.stride(0), k_cache.stride(0), k_cache.stride(1),
                                          window, scale, G=G, D=D, PAGE=KV_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n,
-                                         WINDOW=window > 0, IEEE=q.dtype == torch.float32, num_warps=4,
-                                         PDL=pdl(q.device), **_launch(pdl(q.device)))
+                                         WINDOW=window > 0, IEEE=q.dtype == torch.float32, num_warps=4)
     return o
 
 
@@ -499,8 +430,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_pt
                    eps, offset, H, KV, stride_pos, stride_slot, stride_kh, stride_ks,
                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GELU: tl.constexpr, SPLIT: tl.constexpr,
                    NORM: tl.constexpr, HAS_DELTA: tl.constexpr, ROPE: tl.constexpr, HEAD_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     if ROPE:  # a column block holds BLOCK_N / 2 columns of one head's first half and the matching ones of its
@@ -515,11 +445,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_pt
     m_ok, n_ok = rm < M, rn < N
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    if PDL:  # the first PF_LINES lines (PF_LINE elements each) of this program's weight rows asked into L2 while
-        # the kernel before still runs: weights are parameters, no kernel writes them
-        pf = k_lo + tl.arange(0, PF_LINES)[None, :] * PF_LINE
-        _prefetch_l2(w_ptr + rn[:, None] * K + pf, n_ok[:, None] & (pf < k_hi), w_ptr)
-    _gdc(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     sq = tl.zeros([BLOCK_M], tl.float32)  # NORM: the rows' sum of squares over this K range
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -635,7 +560,6 @@ def rope_fits(config, head_dim: int) -> bool:
     return head_dim % config[0] == 0
 
 
-PF_LINES = 8  # PDL: 128-byte lines of each weight row a skinny program asks into L2 before its wait (1 KB a row)
 _COUNTERS: dict = {}  # device -> the split launches' counters, one per column block (int32 zeros; every launch
 COUNTERS = 1 << 16  # leaves them 0), kept for good: captured CUDA graphs hold their address
 
@@ -673,7 +597,6 @@ def _skinny(x, w, bias, act, config, norm=None, rope=None):
     sq = torch.empty(splits, tiles, M, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 \
         else part
     ieee = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    on = pdl(x.device)
     if rope is not None:
         heads, kv_heads, (cos, sin), positions, slots, k_cache, v_cache = rope
         D = k_cache.shape[-1]
@@ -689,6 +612,5 @@ def _skinny(x, w, bias, act, config, norm=None, rope=None):
         k_split, splits, x.stride(0), eps, offset, *rope_ints, HAS_BIAS=bias is not None, ACT=act is not None,
         GELU=act == "gelu", SPLIT=splits > 1, NORM=norm is not None, HAS_DELTA=delta is not None,
         ROPE=rope is not None, HEAD_D=D, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n,
-        BLOCK_K=block_k, IEEE=ieee, PDL=on, PF_LINES=PF_LINES, PF_LINE=128 // w.element_size(), num_warps=4,
-        num_stages=3 if x.dtype == torch.float32 or M > 16 else 4, **_launch(on))
+        BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3 if x.dtype == torch.float32 or M > 16 else 4)
     return q if rope is not None else out

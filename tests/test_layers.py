@@ -76,33 +76,5 @@ def test_skinny_gemm_builds_for_hopper_with_a_pipelined_k_loop(M, fp32, act, nor
     from plugins.triton_layers import skinny_configs
 
     for config in skinny_configs(M, 1536, 8960, fp32):
-        got = build_skinny_for_hopper(M, config, fp32, act, bias=True, norm=norm, rope=rope)
-        assert got["pipelined"] and got["smem"] <= 160 * 1024, (config, got)
-
-
-@pytest.mark.parametrize("M, act, norm, rope, split", [(1, False, False, False, False), (1, True, False, False, True),
-                                                        (4, False, True, True, False), (60, False, True, False, True)])
-def test_skinny_gemm_under_pdl_touches_nothing_but_weights_before_its_wait(M, act, norm, rope, split):
-    """Launched with programmatic dependent launch the skinny GEMM may start while the kernel before it runs: on
-    sm_90 it asks L2 for its weight lines first, then waits (griddepcontrol.wait), and only then loads its input
-    or stores, counts and sums anything; still pipelined, and the same shared memory as without."""
-    from plugins.check_layers import build_skinny_for_hopper
-    from plugins.triton_layers import skinny_configs
-
-    config = [c for c in skinny_configs(M, 1536, 8960, False) if (c[2] > 1) == split][0]
-    got = build_skinny_for_hopper(M, config, False, act, bias=True, norm=norm, rope=rope, pdl=True)
-    plain = build_skinny_for_hopper(M, config, False, act, bias=True, norm=norm, rope=rope)
-    assert got["pdl_ordered"] and not plain["pdl_ordered"], (config, got)
-    assert got["pipelined"] and got["smem"] == plain["smem"], (got, plain)
-
-
-def test_pdl_is_off_where_it_cannot_run(monkeypatch):
-    """PDL only for CUDA devices of sm_90 and later: never on the CPU, never under the interpreter (the CPU
-    tests), and MICROSPEC_PDL=0 turns it off."""
-    import torch
-
-    from plugins import triton_layers as tk
-
-    monkeypatch.setattr(tk, "_PDL", {})
-    assert tk.pdl(torch.device("cpu")) is False
-    assert tk._launch(False) == {} and tk._launch(True) == {"launch_pdl": True}
+        smem, pipelined = build_skinny_for_hopper(M, config, fp32, act, bias=True, norm=norm, rope=rope)
+        assert pipelined and smem <= 160 * 1024, (config, smem)

@@ -388,18 +388,15 @@ def fused_ab(cfg: dict, rows: list[int], timer: "Timer", tag: str = "") -> list[
             def layer():
                 return block(res, delta, None, args)
 
-            for pdl in (True, False):  # the default, then programmatic dependent launch off (triton_layers.pdl)
-                t, n = {}, {}
-                for fuse in (False, True):
-                    layers.FUSE = fuse
-                    tk.set_pdl(None if pdl else False)
-                    try:
-                        t[fuse], n[fuse] = timer(layer), count_kernels(layer)
-                    finally:
-                        layers.FUSE = True
-                        tk.set_pdl(None)
-                row(M, "whole decoder layer" + ("" if pdl else ", PDL off"), t[False], None, None, t[True],
-                    "fold where faster", nbytes, f"{n[False]} unfused, {n[True]} default")
+            t, n = {}, {}
+            for fuse in (False, True):
+                layers.FUSE = fuse
+                try:
+                    t[fuse], n[fuse] = timer(layer), count_kernels(layer)
+                finally:
+                    layers.FUSE = True
+            row(M, "whole decoder layer", t[False], None, None, t[True], "fold where faster", nbytes,
+                f"{n[False]} unfused, {n[True]} default")
     return out
 
 
