@@ -426,3 +426,23 @@ def test_timeline_trace_round_pieces(engine_dir, tmp_path):
     assert rows["whole round"] == 1 and rows["draft tree"] == 1.0 and rows["verify"] == 1.0
     assert rows["accept"] == 1.0 and rows["window update"] == 1.0
     assert rows["draft layer"] >= 3 + 1  # depth steps + the accepted path (+ a catch-up after plain steps)
+
+
+def test_timeline_runs_every_request_to_its_budget(engine_dir, tmp_path, monkeypatch):
+    """profile --timeline measures steps: a request runs its --new-tokens even where the model would end its answer
+    (on the H200 random prompts ended after 4-6 steps, and the --trace pass's eager one before any round). Here
+    every id is an end of answer, so without that every request would stop at its first token."""
+    from trtllm_microspec.engine import scheduler as sched_mod
+
+    init = sched_mod.Scheduler.__init__
+
+    def every_id_stops(self, *args, **kw):
+        init(self, *args, **kw)
+        self.stop_ids = set(range(self.runner.target.cfg.vocab_size))
+
+    monkeypatch.setattr(sched_mod.Scheduler, "__init__", every_id_stops)
+    out = tmp_path / "tl"
+    main(["profile", "--engine", str(engine_dir), "--timeline", "--batch", "2", "--context", "16", "--new-tokens", "5",
+          "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["timeline"]
+    assert sum(r["steps"] for r in rows if r["kind"] == "decode only") >= 4  # 5 tokens: the prefill's, 4 decodes

@@ -130,6 +130,10 @@ def timeline(a) -> None:
         llm = LLM(a.engine, a.method, draft=draft, max_batch=top, kv_memory=a.kv_memory,
                   max_num_tokens=a.max_num_tokens, spec_policy=a.spec_policy, overlap=a.overlap)
         sched = llm.scheduler()  # (a speculative one calibrates its policy now: every graph it may pick captured)
+    # every request runs its --new-tokens: on random prompts the model may end its answer at once (on the H200,
+    # qwen2.5-coder-1.5b's 128-token requests stopped after 4-6 steps, and the --trace pass's eager one before any
+    # round), and a profile measures steps, not answers
+    sched.stop_ids = set()
     target, runner, cuda = llm.target, sched.runner, llm.device.type == "cuda"
     sched.timing = True
     g = torch.Generator().manual_seed(0)
