@@ -446,3 +446,25 @@ def test_timeline_runs_every_request_to_its_budget(engine_dir, tmp_path, monkeyp
           "--out", str(out)])
     rows = json.loads(out.with_suffix(".json").read_text())["timeline"]
     assert sum(r["steps"] for r in rows if r["kind"] == "decode only") >= 4  # 5 tokens: the prefill's, 4 decodes
+
+
+def test_single_request_warmup_runs_every_measured_turn_once(engine_dir, tmp_path, monkeypatch):
+    """--warmup: each measured turn (a two-turn MT-bench question: the second turn's conversation holds the first
+    answer) is generated once unmeasured before its timed run, so the timed pass meets no first use of a CUDA graph;
+    the records are the timed run's alone."""
+    from trtllm_microspec.llm import LLM
+
+    calls = []
+    generate = LLM.generate
+
+    def spy(self, prompt, max_new_tokens, *args, **kw):
+        calls.append((json.dumps(prompt), max_new_tokens))
+        return generate(self, prompt, max_new_tokens, *args, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    main(["bench", "--engine", str(engine_dir), "--device", "cpu", "--categories", "mt_bench", "--limit", "1",
+          "--max-new-tokens", "3", "--warmup", "1", "--methods", "ar", "--out", str(tmp_path)])
+    turns = [c for c in calls if c[0].startswith("[")]  # the conversations (the warm-up request is a string)
+    assert len(turns) == 4 and turns[0] == turns[2] and turns[1] == turns[3], turns
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert len(res["runs"]["ar"]["turns"]) == 2

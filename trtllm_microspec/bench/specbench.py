@@ -117,11 +117,19 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
     log(f"{label}: {a.warmup} warm-up requests")
     for _ in range(a.warmup):  # sampled like the measured requests: sampling runs its own CUDA graphs
         model.generate(first, min(a.max_new_tokens, WARMUP_TOKENS), chat=True, **sampling)
-    if a.warmup:  # every first turn's prefill once: a new prompt shape's first-time costs (kernel compiles, attention
-        # plans) are not measured, whichever method runs first in the process (on the H200 AR paid 0.7-1.6 s prefills
-        # that the methods after it did not)
-        for q in questions:
-            model.generate([{"role": "user", "content": q["turns"][0]}], 1, chat=True, **sampling)
+    if a.warmup:  # every measured turn once, unmeasured, as --concurrency runs its pass once: the steady state is
+        # measured, each CUDA graph of the (shape, KV-span bucket) keys the turns meet captured (vLLM captures its own
+        # at start-up, outside its measurement; here a key's first use costs an eager step and a capture: on the
+        # H200 18-60 ms each, up to 18 of them in one 128-token turn of ~0.2 s under --spec-policy auto), and no
+        # first-time cost of a prompt shape (kernel compiles, attention plans) falls on whichever method runs first
+        converse(model, questions, a, cuda, sampling)
+    records, ids = converse(model, questions, a, cuda, sampling, label)
+    return records, ids
+
+
+def converse(model, questions: list[dict], a, cuda: bool, sampling: dict, label: str | None = None):
+    """Every question's turns in order, each answer joining the conversation: per turn a record of its stats and
+    timing, and the token ids per (qid, turn) (label: logged as it goes)."""
     records, ids = [], {}
     for i, q in enumerate(questions, 1):
         messages = []
@@ -132,8 +140,9 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
             records.append({"qid": q["qid"], "category": q["category"], "turn": t, "time_s": secs, **r.stats})
             ids[q["qid"], t] = r.token_ids
         done = records[-len(q["turns"]):]
-        log(f"{label}: question {i}/{len(questions)} ({q['category']}): {sum(r['new_tokens'] for r in done)} tokens "
-            f"in {sum(r['time_s'] for r in done):.1f} s")
+        if label:
+            log(f"{label}: question {i}/{len(questions)} ({q['category']}): {sum(r['new_tokens'] for r in done)} "
+                f"tokens in {sum(r['time_s'] for r in done):.1f} s")
     return records, ids
 
 
@@ -573,8 +582,9 @@ def register(sub) -> None:
     p.add_argument("--categories", type=_names, default=list(CATEGORIES), help=f"comma list of {', '.join(CATEGORIES)}")
     p.add_argument("--limit", type=int, help="questions per category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method, then each question's first "
-                   "prompt prefilled once; with --concurrency, also one unmeasured pass of the batch per level (0: none)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method, then every measured turn "
+                   "once, unmeasured (the steady state: CUDA graphs captured); with --concurrency, one unmeasured pass "
+                   "of the batch per level (0: none)")
     p.add_argument("--frspec-k", type=_ints, default=[], help="FR-Spec sweep: comma list of vocabulary sizes")
     p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6), "
                    "for each of microspec and microspec-paper in --methods (microspec if neither)")
