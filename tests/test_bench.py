@@ -426,6 +426,18 @@ def test_timeline_trace_round_pieces(engine_dir, tmp_path):
     assert rows["whole round"] == 1 and rows["draft tree"] == 1.0 and rows["verify"] == 1.0
     assert rows["accept"] == 1.0 and rows["window update"] == 1.0
     assert rows["draft layer"] >= 3 + 1  # depth steps + the accepted path (+ a catch-up after plain steps)
+    # each piece against the bytes it must read: the verify the target's weights but its embedding table, a draft
+    # layer call its one layer's; the round both; the bookkeeping pieces none
+    from trtllm_microspec.models.model import ModelConfig
+
+    cfg = ModelConfig.load(engine_dir / "config.json")
+    floors = {line.split("|")[1].strip().split(" (")[0]: line.split("|")[6].strip() for line in
+              out.read_text().split("one round's pieces")[1].splitlines() if line.startswith("| ") and "---" not in line
+              and not line.startswith("| piece")}
+    per_layer = 4 * cfg.hidden_size ** 2  # q|k|v|o at least
+    assert float(floors["verify"]) * 4.2e12 / 1e6 > cfg.num_layers * per_layer * 2  # every layer's bytes
+    assert float(floors["draft layer"]) > 0 and floors["accept"] == "-" and floors["window update"] == "-"
+    assert float(floors["whole round"]) > float(floors["verify"])
 
 
 def test_timeline_runs_every_request_to_its_budget(engine_dir, tmp_path, monkeypatch):

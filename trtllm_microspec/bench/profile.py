@@ -340,20 +340,35 @@ def round_phases(sched, target, a, g) -> list[str]:
             todo += e.cpu_children
         return us, k
 
+    from .kernels import COPY_BW
+
+    # the weight bytes a piece must read at least: the verify every target weight but the embedding table (its rows
+    # are gathered), a draft layer call its decoder layer's (EAGLE-3's fc too on feature calls: not counted)
+    embed = 0 if target.cfg.tie_word_embeddings else target.embed_tokens.weight.numel()
+    floor_us = {"verify": (sum(p.numel() for p in target.parameters()) - embed) * 2 / COPY_BW * 1e6,
+                "draft layer": sum(p.numel() for p in runner.draft.layers.parameters()) * 2 / COPY_BW * 1e6}
     out = [f"## --trace: one round's pieces, batch {B}, eager (kernel GPU time inside each range, per round; "
-           f"{len(rounds)} rounds); the profiler's own device total of the ranges beside", "",
-           "| piece | calls / round | GPU us / round | kernels / round | device total us / round |",
-           "|---|---:|---:|---:|---:|"]
+           f"{len(rounds)} rounds); the profiler's own device total of the ranges beside; byte floor: the bf16 weights "
+           f"the piece reads at {COPY_BW / 1e12:.1f} TB/s (the H200's copy rate), per round", "",
+           "| piece | calls / round | GPU us / round | kernels / round | device total us / round | byte floor us | "
+           "x floor |", "|---|---:|---:|---:|---:|---:|---:|"]
 
     def total(ranges) -> float:
         return sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in ranges)
 
+    def floor(us, f) -> str:
+        return f"{f:.0f} | {us / f:.1f}" if f else "- | -"
+
+    calls = {label.split(" (")[0]: len(spans[label]) / n for label, _, _ in PHASES}
+    round_floor = floor_us["verify"] * calls["verify"] + floor_us["draft layer"] * calls["draft layer"]
     whole, k_all = gpu_us(rounds)
-    out.append(f"| whole round (plain steps apart) | 1 | {whole / n:.0f} | {k_all / n:.0f} | {total(rounds) / n:.0f} |")
+    out.append(f"| whole round (plain steps apart) | 1 | {whole / n:.0f} | {k_all / n:.0f} | {total(rounds) / n:.0f} | "
+               f"{floor(whole / n, round_floor)} |")
     for label, _, _ in PHASES:
         us, k = gpu_us(spans[label])
-        out.append(f"| {label} | {len(spans[label]) / n:.1f} | {us / n:.0f} | {k / n:.0f} | "
-                   f"{total(spans[label]) / n:.0f} |")
+        short = label.split(" (")[0]
+        out.append(f"| {label} | {calls[short]:.1f} | {us / n:.0f} | {k / n:.0f} | {total(spans[label]) / n:.0f} | "
+                   f"{floor(us / n, floor_us.get(short, 0) * calls[short])} |")
     return out
 
 
