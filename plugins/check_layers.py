@@ -520,7 +520,7 @@ def cases(dev: str, big: bool, g):
     # qwen2.5-coder-1.5b's q|k|v, O, gate|up, down (SiLU; GELU as Gemma's) and LM head at rows that reach each
     # BLOCK_M of the kernel (16, 32, 64) with every flag combination, as few compiles as cover them (each ~0.5 s;
     # fp32, the lossless checks' dtype, at fewer)
-    lin = [((1,), (1,), 37, 300, True, None), ((5,), (5,), 50, 96, False, None),
+    lin = [((1,), (1,), 37, 300, True, None), ((1,), (1,), 24, 2100, False, "silu"), ((5,), (5,), 50, 96, False, None),
            ((17,), (17,), 37, 520, False, "silu"), ((33,), (33,), 20, 300, False, "gelu"),
            ((64,), (64,), 70, 130, True, None), ((16,), (16,), 16, 64, False, None)]
     if big:
