@@ -8,7 +8,8 @@
 #              pieces; each projection: cuBLAS vs the skinny GEMM vs the default
 #   rounds     issue 22's round time at c = 1: the batched engine's step timeline at batch 1 (ROUND_CONTEXT prompt
 #              tokens, 128 new) for ar, eagle and microspec with the fixed default tree (a random head: the round's
-#              work does not depend on what it accepts), then microspec under --spec-policy auto, whose start-up
+#              work does not depend on what it accepts; microspec with --trace: its kernels, and a round's pieces
+#              each against its byte floor), then microspec under --spec-policy auto, whose start-up
 #              prints the calibrated plain-row / 4 / 16 / 60-token step costs at 1 row (~2 min on an H200)
 #   kernels-ab the skinny GEMM's configs (plain, and with the add + RMSNorm in its prologue) against the torch
 #              reference at qwen2.5-coder-1.5b's shapes, then each projection (q|k|v, O, gate|up, down, EAGLE fc,
@@ -105,10 +106,12 @@ for stage in "$@"; do
     profile)
       ms profile --engine "$KEY" --out "$OUT/profile_$KEY.md" ;;
     rounds)
-      for m in ar eagle microspec; do
+      for m in ar eagle microspec; do  # microspec with --trace: its kernels, and a round's pieces against their floors
         ms profile --engine "$KEY" --timeline --method $m --spec-policy fixed --batch 1 --context "$ROUND_CONTEXT" \
-          --new-tokens 128 --out "$OUT/rounds_${m}_$KEY.md" 2>&1 | grep -E "^timeline:|rror"
+          --new-tokens 128 $([ $m = microspec ] && echo --trace) --out "$OUT/rounds_${m}_$KEY.md" 2>&1 \
+          | grep -E "^timeline:|rror"
       done
+      grep -A10 "one round's pieces" "$OUT/rounds_microspec_$KEY.md"
       ms profile --engine "$KEY" --timeline --method microspec --spec-policy auto --batch 1 \
         --context "$ROUND_CONTEXT" --new-tokens 128 --out "$OUT/rounds_microspec_auto_$KEY.md" 2>&1 \
         | grep -E "^timeline:|rror" ;;
