@@ -12,8 +12,9 @@ activation, LM head) at each of --rows rows: cuBLAS (F.linear, after act_mul for
 fastest skinny-GEMM config, and the default path, each with its GB/s and % of the 4.8 TB/s HBM peak.
 --context committed tokens precede each step.
 
---timeline instead: the batched engine's step timeline under load. For each --batch size B, B requests of --context
-random prompt tokens and --new-tokens new tokens each, submitted at once (greedy, CUDA graphs, the engine's
+--timeline instead: the batched engine's step timeline under load (a speculative method with a random EAGLE-3 head
+of 32k draft ids, the kind train-draft makes, unless --draft). For each --batch size B, B requests of --context
+random prompt tokens and --new-tokens new tokens each (an end of answer does not stop them), submitted at once (greedy, CUDA graphs, the engine's
 defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and once measured; from the scheduler's
 own record of every step: the GPU time of its pass (CUDA events), the host time of the step around it, the rows it
 ran, for the steps with prompt chunks and the decode-only steps apart. Without overlap (the default) the GPU idles
@@ -38,6 +39,9 @@ from ..vocab.strategies import METHODS
 from ..speculative.batch_tree import draft_trees, verify
 from ..speculative.tree import Tree, TreeConfig, causal
 from .kernels import COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, projection_lines, write_report
+
+
+RANDOM_DRAFT_VOCAB = 32768  # the random head's draft vocabulary: train-draft's default --loss-vocab
 
 
 def run(a) -> None:
@@ -117,15 +121,17 @@ def timeline(a) -> None:
     from ..engine.stats import percentiles
     from ..llm import LLM, resolve_engine
     from ..models.model import ModelConfig
-    from ..speculative.eagle import EagleDraft, draft_config, save_draft
+    from ..speculative.eagle3 import random_head
 
     top = max(a.batch)
     with tempfile.TemporaryDirectory() as tmp:
         draft = a.draft
-        if a.method != "ar" and draft is None:  # a random head: a round's work does not depend on what it accepts
+        if a.method != "ar" and draft is None:  # a random head: a round's work does not depend on what it accepts.
+            # EAGLE-3 with the recipe's 32k draft vocabulary, the kind train-draft makes, whose rounds cost more than
+            # an EAGLE-2 head's (fc over three target layers, q|k|v over 2d): on the H200 a round of `bench` with the
+            # recipe's head took ~3.9 ms of wall time, this profile's with a random EAGLE-2 head 3.40 ms of GPU time
             engine = resolve_engine(a.engine)
-            torch.manual_seed(0)
-            save_draft(EagleDraft(draft_config(ModelConfig.load(engine / "config.json")), bias=False), tmp, engine)
+            random_head(engine, tmp, min(RANDOM_DRAFT_VOCAB, ModelConfig.load(engine / "config.json").vocab_size))
             draft = tmp
         llm = LLM(a.engine, a.method, draft=draft, max_batch=top, kv_memory=a.kv_memory,
                   max_num_tokens=a.max_num_tokens, spec_policy=a.spec_policy, overlap=a.overlap)
@@ -178,7 +184,8 @@ def timeline(a) -> None:
                 torch=torch.__version__, context=a.context, new_tokens=a.new_tokens, method=a.method,
                 tree=str(llm.tree) if a.method != "ar" else None, spec_policy=a.spec_policy,
                 max_num_tokens=runner.max_num_tokens, kv_blocks=runner.blocks.num_blocks, overlap=sched.overlap)
-    shape = "" if a.method == "ar" else f" ({llm.tree}, --spec-policy {a.spec_policy}; a random head unless --draft)"
+    shape = "" if a.method == "ar" else (f" ({llm.tree}, --spec-policy {a.spec_policy}; a random EAGLE-3 head of "
+                                          f"{RANDOM_DRAFT_VOCAB} draft ids unless --draft)")
     lines = [f"# batched engine step timeline: {meta['engine']} on {meta['device']}, {a.method}{shape}", "",
              f"torch {meta['torch']}; per batch size B: B requests of {a.context} random prompt tokens and "
              f"{a.new_tokens} new tokens each, submitted at once, greedy, CUDA graphs (on CUDA); max_num_tokens "
@@ -346,8 +353,6 @@ def round_phases(sched, target, a, g) -> list[str]:
             k += len(e.kernels)
             todo += e.cpu_children
         return us, k
-
-    from .kernels import COPY_BW
 
     # the weight bytes a piece must read at least: the verify the target's (read_bytes), a draft layer call its
     # decoder layer's (EAGLE-3's fc too on feature calls: not counted)
