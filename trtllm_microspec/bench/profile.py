@@ -14,8 +14,8 @@ fastest skinny-GEMM config, and the default path, each with its GB/s and % of th
 
 --timeline instead: the batched engine's step timeline under load (a speculative method with a random EAGLE-3 head
 of 32k draft ids, the kind train-draft makes, unless --draft). For each --batch size B, B requests of --context
-random prompt tokens and --new-tokens new tokens each (an end of answer does not stop them), submitted at once (greedy, CUDA graphs, the engine's
-defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and once measured; from the scheduler's
+random prompt tokens and --new-tokens new tokens each (an end of answer does not stop them), submitted at once
+(greedy, CUDA graphs, the engine's defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and once measured; from the scheduler's
 own record of every step: the GPU time of its pass (CUDA events), the host time of the step around it, the rows it
 ran, for the steps with prompt chunks and the decode-only steps apart. Without overlap (the default) the GPU idles
 for the host part of every step (host = step - GPU); with it (AR), a step's call launches it and then waits for the
@@ -284,11 +284,14 @@ PHASES = [("draft tree (depth steps: draft layer + head + growth, the selection)
           ("window update (ids in, gathers queued)", "vocab", "update")]
 
 
+def weight_bytes(m) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
 def read_bytes(target) -> int:
-    """The bf16 weight bytes a target pass reads at least: every weight but an untied embedding table, of which a
-    step gathers only its tokens' rows (qwen2.5-coder-1.5b: 3.09 GB of its 3.55)."""
-    embed = 0 if target.cfg.tie_word_embeddings else target.embed_tokens.weight.numel()
-    return (sum(p.numel() for p in target.parameters()) - embed) * 2
+    """The weight bytes a target pass reads at least: every weight but an untied embedding table, of which a step
+    gathers only its tokens' rows (qwen2.5-coder-1.5b in bf16: 3.09 GB of its 3.55)."""
+    return weight_bytes(target) - (0 if target.cfg.tie_word_embeddings else weight_bytes(target.embed_tokens))
 
 
 def round_phases(sched, target, a, g) -> list[str]:
@@ -357,7 +360,7 @@ def round_phases(sched, target, a, g) -> list[str]:
     # the weight bytes a piece must read at least: the verify the target's (read_bytes), a draft layer call its
     # decoder layer's (EAGLE-3's fc too on feature calls: not counted)
     floor_us = {"verify": read_bytes(target) / COPY_BW * 1e6,
-                "draft layer": sum(p.numel() for p in runner.draft.layers.parameters()) * 2 / COPY_BW * 1e6}
+                "draft layer": weight_bytes(runner.draft.layers) / COPY_BW * 1e6}
     out = [f"## --trace: one round's pieces, batch {B}, eager (kernel GPU time inside each range, per round; "
            f"{len(rounds)} rounds); the profiler's own device total of the ranges beside; byte floor: the bf16 weights "
            f"the piece reads at {COPY_BW / 1e12:.1f} TB/s (the H200's copy rate), per round", "",
@@ -405,31 +408,28 @@ def layer_table(target, n, S, timer) -> list[dict]:
     norm = layer.post_attention_layernorm
     kv_bytes = 2 * c.num_kv_heads * (int(n) + 1) * c.head_dim * 2
 
-    def wbytes(m):
-        return sum(p.numel() * p.element_size() for p in m.parameters())
-
     pieces = [
         ("add + RMSNorm", lambda: layers.add_rms_norm(x, x, norm.weight, norm.eps, norm.offset), 3 * x.numel() * 2),
-        ("QKV GEMM (+bias)", lambda: layers.linear(x, at.qkv_proj.weight, at.qkv_proj.bias), wbytes(at.qkv_proj)),
+        ("QKV GEMM (+bias)", lambda: layers.linear(x, at.qkv_proj.weight, at.qkv_proj.bias), weight_bytes(at.qkv_proj)),
         ("add + RMSNorm + QKV GEMM (norm_linear: the fold where it measured faster)",
          lambda: layers.norm_linear(x, x, layer.input_layernorm.weight, norm.eps, norm.offset, at.qkv_proj.weight,
-                                    at.qkv_proj.bias), wbytes(at.qkv_proj) + 3 * x.numel() * 2),
+                                    at.qkv_proj.bias), weight_bytes(at.qkv_proj) + 3 * x.numel() * 2),
         ("add + RMSNorm + QKV GEMM + rotary + KV write (what the model runs: each fold where measured faster)",
          lambda: layers.norm_linear(x, x, layer.input_layernorm.weight, norm.eps, norm.offset, at.qkv_proj.weight,
                                     at.qkv_proj.bias, rope=at.rope_args(target.rope_global, pos, pos, span,
                                                                         target.cache.pos, 0, k, v)),
-         wbytes(at.qkv_proj) + 3 * x.numel() * 2),
+         weight_bytes(at.qkv_proj) + 3 * x.numel() * 2),
         ("rotary + KV write", lambda: layers.rope_cache_write(qkv, at.h, at.kv, target.rope_global, pos, pos, k, v,
                                                              None, at.eps), qkv.numel() * 4),
         ("attention", lambda: layers.attention(q, k, v, span, pos, target.cache.pos, 0, at.scale), kv_bytes),
-        ("O GEMM", lambda: layers.linear(o, at.o_proj.weight), wbytes(at.o_proj)),
-        ("gate|up GEMM", lambda: layers.linear(x, mlp.gate_up_proj.weight), wbytes(mlp.gate_up_proj)),
+        ("O GEMM", lambda: layers.linear(o, at.o_proj.weight), weight_bytes(at.o_proj)),
+        ("gate|up GEMM", lambda: layers.linear(x, mlp.gate_up_proj.weight), weight_bytes(mlp.gate_up_proj)),
         (f"{act} x up (alone; folded into down when its skinny GEMM is picked)",
          lambda: layers.act_mul(gu, act == "gelu"), gu.numel() * 2 * 3 // 2),
         (f"down GEMM, {act} x up included", lambda: layers.linear(gu, mlp.down_proj.weight, act=act),
-         wbytes(mlp.down_proj)),
+         weight_bytes(mlp.down_proj)),
         ("whole layer", lambda: layer(x, x, None, (target.rope_global, pos, pos, span, target.cache.pos, 0, k, v)),
-         wbytes(layer) + kv_bytes),
+         weight_bytes(layer) + kv_bytes),
     ]
     out = []
     with torch.no_grad():

@@ -123,8 +123,7 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
         # H200 18-60 ms each, up to 18 of them in one 128-token turn of ~0.2 s under --spec-policy auto), and no
         # first-time cost of a prompt shape (kernel compiles, attention plans) falls on whichever method runs first
         converse(model, questions, a, cuda, sampling)
-    records, ids = converse(model, questions, a, cuda, sampling, label)
-    return records, ids
+    return converse(model, questions, a, cuda, sampling, label)
 
 
 def converse(model, questions: list[dict], a, cuda: bool, sampling: dict, label: str | None = None):
