@@ -64,6 +64,7 @@ import functools
 import gc
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -821,6 +822,10 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
 
 
 def cmd_train_draft(a) -> None:
+    # the distilling engine's KV pool and the cached features come and go in large blocks: without expandable
+    # segments the 600 s and 720 s EAGLE-3 recipes at 34c6c51 / 5adba02 ended out of device memory (fragmentation).
+    # Read when CUDA first allocates, so it is set before anything here touches the device.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if a.eval and a.eval_tokens < 1:
         raise UserError("--eval-tokens must be at least 1")
     methods = tuple(m for m in a.eval_methods.split(",") if m)
