@@ -468,10 +468,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_pt
             sq += tl.sum(xf * xf, axis=1)
             nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             x = (xf * (offset + nw)[None, :]).to(x.dtype)
-        if BLOCK_M == 1:  # one row (a GEMV config): products summed on the CUDA cores, no dot (whose 16-row tile
-            # would be 15 rows of padding); exact products, fp32 sums
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        elif IEEE:  # fp32, or the interpreter (its dot mishandles bf16): exact products, fp32 sums
+        if IEEE:  # fp32, or the interpreter (its dot mishandles bf16): exact products, fp32 sums
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
@@ -527,18 +524,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, d_ptr, nw_ptr, res_pt
             tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-GEMV_N = (2, 8)  # one row: BLOCK_N of the GEMV configs (fewer rows a program, more programs: on the H200 a plain
-# GEMV of 2-8 rows x 512 columns a step took gate|up 21.0 us where cuBLAS took 22.8, q|k|v 7.6 vs 8.3, O 7.3 vs 9.0)
-
-
 def skinny_configs(M: int, N: int, K: int, fp32: bool, sms: int = 132) -> list[tuple[int, int, int]]:
     """The candidates layers.linear measures for one shape: (BLOCK_N, BLOCK_K, splits). Narrow and wide weight
-    tiles, each unsplit and split so that the grid has ~4 programs per SM (each split at least 2 K steps); at one
-    row also GEMV configs (BLOCK_N < 16: no dot), first, so the checks' pick (the last) stays a dot config."""
+    tiles, each unsplit and split so that the grid has ~4 programs per SM (each split at least 2 K steps)."""
     out = []
-    for block_n in (GEMV_N if M == 1 else ()) + (16, 64):  # shared memory: stages x (w + x (+ up)) tiles stays
-        # under ~150 KB on every pick
-        block_k = 512 if block_n < 16 else 64 if fp32 else 256 if M <= 16 and block_n == 16 else 128
+    for block_n in (16, 64):  # shared memory: stages x (w + x (+ up)) tiles stays under ~150 KB on every pick
+        block_k = 64 if fp32 else 256 if M <= 16 and block_n == 16 else 128
         tiles, steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
         splits = max(1, min(triton.cdiv(4 * sms, tiles), steps // 2))
         splits = triton.cdiv(steps, triton.cdiv(steps, splits))  # no empty split
@@ -565,9 +556,8 @@ def skinny_norm_linear(res, delta, norm_w, eps, offset, w, bias, config, rope=No
 
 
 def rope_fits(config, head_dim: int) -> bool:
-    """Whether a config's column blocks tile the heads (the rotation's pairs in one program); not the GEMV
-    configs (their epilogue is not built for it)."""
-    return config[0] >= 16 and head_dim % config[0] == 0
+    """Whether a config's column blocks tile the heads (the rotation's pairs in one program)."""
+    return head_dim % config[0] == 0
 
 
 _COUNTERS: dict = {}  # device -> the split launches' counters, one per column block (int32 zeros; every launch
@@ -593,7 +583,7 @@ def _skinny(x, w, bias, act, config, norm=None, rope=None):
     M = x.shape[0]
     N, K = w.shape
     block_n, block_k, splits = config
-    assert M <= SKINNY_ROWS and w.is_contiguous() and (block_n >= 16 or M == 1)
+    assert M <= SKINNY_ROWS and w.is_contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(N, block_n)
     cnt = _counters(x.device) if splits > 1 and tiles <= COUNTERS else None
@@ -621,7 +611,6 @@ def _skinny(x, w, bias, act, config, norm=None, rope=None):
         x, w, b, out, part, delta if delta is not None else x, norm_w, new_res, sq, cnt, *rope_args, M, N, K,
         k_split, splits, x.stride(0), eps, offset, *rope_ints, HAS_BIAS=bias is not None, ACT=act is not None,
         GELU=act == "gelu", SPLIT=splits > 1, NORM=norm is not None, HAS_DELTA=delta is not None,
-        ROPE=rope is not None, HEAD_D=D, BLOCK_M=1 if block_n < 16 else 16 if M <= 16 else 32 if M <= 32 else 64,
-        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4,
-        num_stages=3 if x.dtype == torch.float32 or M > 16 or block_n < 16 else 4)
+        ROPE=rope is not None, HEAD_D=D, BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n,
+        BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3 if x.dtype == torch.float32 or M > 16 else 4)
     return q if rope is not None else out

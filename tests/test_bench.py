@@ -409,6 +409,19 @@ def test_timeline_trace_labels_every_step(engine_dir, tmp_path):
     assert "| aten::mm |" in text or "| aten::addmm |" in text or "| aten::linear |" in text
 
 
+def test_kernels_in_ranges_by_time():
+    """--trace's per-piece table gives a range the kernels that start inside it (the profiler's one clock; each
+    range synchronizes at its ends on CUDA), not the ones the profiler links to its launches: on the H200 those
+    links missed Triton's kernels and left the verify under its byte floor."""
+    from trtllm_microspec.bench.profile import kernels_in
+
+    kernels = [(0.5, 1.0), (1.0, 2.0), (2.5, 4.0), (3.0, 8.0), (7.0, 16.0), (9.5, 32.0)]  # (start, duration)
+    assert kernels_in(kernels, [(1.0, 3.0), (7.0, 9.0)]) == (30.0, 4)  # the ends belong to the range
+    assert kernels_in(kernels, [(7.0, 9.0), (1.0, 3.0)]) == (30.0, 4)  # in any order
+    assert kernels_in(kernels, [(3.5, 6.0)]) == (0, 0) and kernels_in(kernels, []) == (0, 0)
+    assert kernels_in(kernels, [(0.0, 10.0)]) == (63.0, 6)
+
+
 def test_timeline_trace_round_pieces(engine_dir, tmp_path):
     """profile --timeline --trace --method microspec: the eager pass puts each of a round's pieces in its own
     range, once a round each, the draft layer once per depth step plus the accepted path's pass (the CPU tree:

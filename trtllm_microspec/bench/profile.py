@@ -24,6 +24,7 @@ step before, so step - GPU is the GPU's idle time per step and GPU share its bus
 from __future__ import annotations
 
 import argparse
+import bisect
 from contextlib import nullcontext
 
 import torch
@@ -294,10 +295,26 @@ def read_bytes(target) -> int:
     return weight_bytes(target) - (0 if target.cfg.tie_word_embeddings else weight_bytes(target.embed_tokens))
 
 
+def kernels_in(kernels: list[tuple[float, float]], intervals: list[tuple[float, float]]) -> tuple[float, int]:
+    """The GPU time and count of the kernels (start, duration) that start inside one of the intervals (start,
+    end; disjoint: one label's ranges, which never nest), all on the profiler's one clock."""
+    spans = sorted(intervals)
+    starts = [s for s, _ in spans]
+    us = k = 0
+    for start, dur in kernels:
+        i = bisect.bisect_right(starts, start) - 1  # the last interval starting at or before the kernel
+        if i >= 0 and start <= spans[i][1]:
+            us, k = us + dur, k + 1
+    return us, k
+
+
 def round_phases(sched, target, a, g) -> list[str]:
     """--trace, speculative: one more pass of the largest batch run eagerly (no graphs: kernels inside a replay
     carry no range) with each of a round's pieces in a labelled range -> the GPU time of the kernels in each, per
-    round. A kernel runs as long eagerly as replayed; the gaps between them are not counted."""
+    round. A kernel runs as long eagerly as replayed; the gaps between them are not counted. On CUDA each range
+    starts and ends with a device synchronize, so the kernels it launched run inside its time span, and a kernel
+    is the range's when it starts in it (kernels_in): the profiler's launch links miss Triton's launches (on the
+    H200 they left a verify with cuBLAS's kernels alone, under its byte floor)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from ..engine import runner as runner_mod
@@ -305,11 +322,16 @@ def round_phases(sched, target, a, g) -> list[str]:
     runner, B = sched.runner, max(a.batch)
     owners = dict(runner=runner_mod, draft=runner.draft, vocab=runner.vocab)
     saved = []
+    cuda = target.cache.k.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def wrap(label, fn):
         def inner(*args, **kw):
+            sync()
             with record_function(label):
-                return fn(*args, **kw)
+                out = fn(*args, **kw)
+                sync()
+            return out
         return inner
 
     for label, owner, name in PHASES:
@@ -320,13 +342,15 @@ def round_phases(sched, target, a, g) -> list[str]:
     plain = runner._round
 
     def one_round(*args, **kw):
+        sync()
         with record_function("round"):
-            return plain(*args, **kw)
+            out = plain(*args, **kw)
+            sync()
+        return out
 
     runner._round = one_round
     reqs = [sched.add(torch.randint(100, target.cfg.vocab_size, (a.context,), generator=g).tolist(), a.new_tokens)
             for _ in range(B)]
-    cuda = target.cache.k.is_cuda
     try:
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             sched.run(reqs)
@@ -347,15 +371,11 @@ def round_phases(sched, target, a, g) -> list[str]:
     spans = {label: [e for e in prof.events() if e.name == label] for label, _, _ in PHASES}
     n = max(len(rounds), 1)
 
-    def gpu_us(ranges) -> tuple[float, int]:  # kernels launched inside the ranges: their GPU time and count
-        us = k = 0
-        todo = list(ranges)
-        while todo:
-            e = todo.pop()
-            us += sum(kern.duration for kern in e.kernels)
-            k += len(e.kernels)
-            todo += e.cpu_children
-        return us, k
+    kernels = [(e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+               if "CUDA" in str(e.device_type) and not getattr(e, "is_user_annotation", False)]
+
+    def gpu_us(ranges) -> tuple[float, int]:  # the kernels that ran inside the ranges: their GPU time and count
+        return kernels_in(kernels, [(e.time_range.start, e.time_range.end) for e in ranges])
 
     # the weight bytes a piece must read at least: the verify the target's (read_bytes), a draft layer call its
     # decoder layer's (EAGLE-3's fc too on feature calls: not counted)

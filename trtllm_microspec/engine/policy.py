@@ -23,8 +23,12 @@ distribution whatever it picks (the verification is lossless for any tree, the r
 
 `fixed` always runs the configured tree (the engine before this policy). Costs are calibrated per (shape, rows
 bucket) on first need by timing a round of padding rows (SpecRunner.measure; at start-up on CUDA for every bucket,
-capturing the graphs), then followed from the running engine: each step's measured time corrects its bucket's
-estimate for every shape (`drift`), so a longer KV span or another load shows in every shape's cost alike. A plain
+capturing the graphs), then followed from the running engine: each step's measured time corrects that shape's
+estimate at its bucket (`drift`), and only that shape's, because the calibration is not equally wrong for every
+shape (its padding rows read the shortest KV span and a round of them has no catch-up: on the H200 it priced a
+plain step at 1.56 ms that ran at 1.91, a 60-token round at 3.63 that ran at 3.85, and under load rounds overran it
+far more than plain steps). A shape's estimate starts at its calibration, which reads low, so a shape that looks
+best is run and its real cost learnt. A plain
 step moves every ratio a little back toward the prior (PROBE), so speculation that stopped paying is tried again
 now and then: a request whose text turns predictable, or a batch that shrinks, gets its trees back.
 """
@@ -73,24 +77,25 @@ def prior_tokens(tree: TreeConfig | None, top1: float = 0.45, gamma: float = 0.3
 
 class StepCosts:
     """Seconds per step of each (shape index, rows bucket): measured once by `measure(shape, rows)` (on first
-    need; a test passes its own), corrected per rows bucket by the steps the engine runs (`observe`)."""
+    need; a test passes its own), corrected by the steps of that shape and bucket the engine runs (`observe`)."""
 
     def __init__(self, measure: Callable[[int, int], float]):
         self.measure = measure
         self.base: dict[tuple[int, int], float] = {}
-        self.drift: dict[int, float] = {}  # rows bucket -> running ratio measured / calibrated
+        self.drift: dict[tuple[int, int], float] = {}  # (shape, rows bucket) -> running ratio measured / calibrated
 
     def __call__(self, shape: int, rows: int) -> float:
         key = (shape, rows)
         if key not in self.base:
             self.base[key] = max(float(self.measure(shape, rows)), 1e-9)
-        return self.base[key] * self.drift.get(rows, 1.0)
+        return self.base[key] * self.drift.get(key, 1.0)
 
     def observe(self, shape: int, rows: int, seconds: float) -> None:
+        key = (shape, rows)
         self(shape, rows)  # calibrated first
-        ratio = seconds / self.base[shape, rows]
-        d = self.drift.get(rows)
-        self.drift[rows] = ratio if d is None else d + EMA * (ratio - d)
+        ratio = seconds / self.base[key]
+        d = self.drift.get(key)
+        self.drift[key] = ratio if d is None else d + EMA * (ratio - d)
 
 
 class SpecPolicy:
