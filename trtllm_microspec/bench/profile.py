@@ -367,8 +367,10 @@ def round_phases(sched, target, a, g) -> list[str]:
     failed = [r.error for r in reqs if getattr(r, "error", None)]
     if failed:  # the scheduler fails a request whose step raised and goes on: say so, not "0 rounds"
         return [f"## --trace: one round's pieces: the eager pass failed ({failed[0]})"]
-    rounds = [e for e in prof.events() if e.name == "round"]
-    spans = {label: [e for e in prof.events() if e.name == label] for label, _, _ in PHASES}
+    # the host's ranges (the GPU's own annotation of a range, where the profiler makes one, has the name too)
+    host = [e for e in prof.events() if "CPU" in str(e.device_type)]
+    rounds = [e for e in host if e.name == "round"]
+    spans = {label: [e for e in host if e.name == label] for label, _, _ in PHASES}
     n = max(len(rounds), 1)
 
     kernels = [(e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
