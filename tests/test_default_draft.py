@@ -89,7 +89,8 @@ def run_json(capsys, *args):
 
 def test_generate_says_why_it_decoded_plainly(capsys, monkeypatch):
     """The shipped head, generate --method eagle: with no policy named it speculates (every step a round); under
-    --spec-policy auto with a tree that costs 100x a plain step (the calibration mocked) every step runs plain:
+    --spec-policy auto with a tree whose calibrated round costs 1,000 s (mocked; a plain step's cost follows what
+    its steps take, a tree never run keeps its calibration) every step runs plain:
     the JSON counts them with their reason and reports no acceptance (null, not 0.0), and one line on stderr says
     it decoded plainly and why."""
     from trtllm_microspec.engine.runner import SpecRunner
@@ -97,7 +98,7 @@ def test_generate_says_why_it_decoded_plainly(capsys, monkeypatch):
     s, err = run_json(capsys)
     assert s["rounds"] > 0 and s["acceptance_length"] >= 1 and s["plain_steps"] == 0
     assert "decoded plainly" not in err
-    monkeypatch.setattr(SpecRunner, "measure", lambda self, shape, rows: 1.0 if self.shapes[shape] else 0.01)
+    monkeypatch.setattr(SpecRunner, "measure", lambda self, shape, rows: 1e3 if self.shapes[shape] else 0.01)
     s, err = run_json(capsys, "--spec-policy", "auto")
     assert s["rounds"] == 0 and s["acceptance_length"] is None and s["vocab_mean"] is None
     assert s["plain_steps"] == s["new_tokens"] - 1 > 0 and s["plain_reasons"] == {"cost": s["plain_steps"]}

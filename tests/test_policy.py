@@ -107,8 +107,7 @@ def test_costs_follow_the_engine():
 
 
 def test_rounds_that_overrun_their_calibration_stop():
-    """Under load rounds cost far more than their padding-row calibration, plain steps about what it said (on the
-    H200 at 64 requests a 4-token round ran 2.45x a plain step where the calibration had ~1.5x): once the rounds'
+    """Rounds that run 2.5x their padding-row calibration while plain steps run as calibrated: once the rounds'
     own times are in, the policy decodes plainly. With one drift for every shape (before) plain steps inherited the
     rounds' overrun and the rounds went on."""
     shapes = tree_shapes(TreeConfig(5, 10, 60), "auto")  # plain, 4, 16, 60 tokens
@@ -122,6 +121,33 @@ def test_rounds_that_overrun_their_calibration_stop():
             break
         policy.observe(reqs, shape, 8, [round(policy.prior[shape])] * len(reqs), 2.5 * [1.0, 1.5, 2.5, 4.0][shape])
     assert policy.choose(reqs, 8) == 0 and policy.why == "cost"
+
+
+def test_a_first_use_is_no_cost():
+    """A step that ran a graph's first use (an eager run, then a capture: 18-60 ms on the H200 where a round is ~4)
+    corrects no cost, else the shape would look 5-15x dearer and go unused; its tokens still count."""
+    shapes = tree_shapes(TreeConfig(2, 3, 8), "auto")
+    policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: 1.0))
+    reqs = requests(None)
+    policy.observe(reqs, 2, 1, [1], None)  # the round accepted nothing, in a first use
+    assert policy.costs.drift == {} and policy.costs(2, 1) == 1.0 and reqs[0].accept_ratio < 1.0
+    policy.observe(reqs, 2, 1, [1], 3.0)
+    assert policy.costs(2, 1) == 3.0
+
+
+def test_first_uses_are_not_timed(engine_dir, random_draft_dir):
+    """The runner hands the policy a step's time only where the step replayed its graph (or ran without graphs,
+    as on the CPU): with every launch a first use, the policy's costs stay as calibrated."""
+    llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    runner = llm.scheduler().runner
+    runner.policy.costs = StepCosts(lambda s, rows: 1.0)
+    runner.policy.choose = lambda reqs, rows: 2  # the full tree every step
+    runner.replays = lambda key: False
+    llm.generate([CASES[0][0]], [CASES[0][2]])
+    assert runner.policy.costs.drift == {}
+    del runner.replays  # the CPU's steps are their own (no graphs): timed
+    llm.generate([CASES[0][0]], [CASES[0][2]])
+    assert set(runner.policy.costs.drift) == {(2, 1)}
 
 
 @pytest.mark.parametrize("method", ["eagle", "microspec"])
