@@ -282,6 +282,24 @@ def test_time_limit_alone_is_the_recipe(engine_dir, tmp_path, capsys):
         "least 0, got -1.0"
 
 
+def test_train_draft_asks_for_expandable_segments(engine_dir, tmp_path, monkeypatch, capsys):
+    """train-draft asks CUDA's allocator for expandable segments (without them the 600 s and 720 s recipes ran out of
+    device memory on the H200) before anything touches the device, unless the user set the allocator's config."""
+    import os
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # restored after the test, whatever it was
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    bad = ["train-draft", "--engine", str(engine_dir), "--out", str(tmp_path), "--device", "cpu",
+           "--distill-time", "-1"]
+    with pytest.raises(SystemExit):  # refused at once, after the setting
+        main(bad)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    with pytest.raises(SystemExit):
+        main(bad)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    capsys.readouterr()
+
+
 def _interpreted(code: list[str], timeout: int = 900):
     """Runs `python -m ...` args under Triton's interpreter (set before triton is imported: a subprocess)."""
     import os
