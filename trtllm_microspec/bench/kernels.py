@@ -99,6 +99,11 @@ class Timer:
         return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events[3:])
 
 
+def weight_bytes(m) -> int:
+    """The bytes of a module's parameters (the weights a pass over it reads at least once)."""
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
 def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
     from plugins import ops
     from plugins.check import STATE, alone, new_window
@@ -115,7 +120,7 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
         draft = EagleDraft(cfg, bias=False)
     draft.setup(HeadEmbedding(head), bf16, dev)
     dcache = KVCache(cfg, 1, bf16, dev)  # the draft layer's K and V: CONTEXT committed positions and the rows
-    backbone_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
+    backbone_bytes = weight_bytes(draft)
     backbone_bytes += 2 * cfg.num_kv_heads * CONTEXT * cfg.head_dim * 2  # K and V of the context
 
     # the window, filled from a synthetic stream: ranks log-uniform over the vocabulary (Zipf, exponent 1)

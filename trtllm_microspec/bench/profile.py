@@ -7,19 +7,21 @@ a prefill of --prefill tokens, and the batched engine's AR step for each --batch
 KV). Each on the default path ("fast": the Triton layer kernels, and for each projection the skinny GEMM or
 cuBLAS, whichever layers.linear measured faster) and on the torch reference (the plain path) in the same run.
 Then one decoder layer at T = 1, piece by piece: time, the bytes it must move (weights, the KV it reads), the
-bandwidth against the 4.2 TB/s copy bandwidth, and the kernels it launches. Then each projection (q|k|v, O, gate|up, down with the gated
-activation, LM head) at each of --rows rows: cuBLAS (F.linear, after act_mul for the down projection), the
-fastest skinny-GEMM config, and the default path, each with its GB/s and % of the 4.8 TB/s HBM peak.
+bandwidth against the 4.2 TB/s copy bandwidth, and the kernels it launches. Then each projection (q|k|v, O, gate|up,
+down with the gated activation, LM head) at each of --rows rows: cuBLAS (F.linear, after act_mul for the down
+projection), the fastest skinny-GEMM config, and the default path, each with its GB/s and % of the 4.8 TB/s HBM
+peak.
 --context committed tokens precede each step.
 
 --timeline instead: the batched engine's step timeline under load (a speculative method with a random EAGLE-3 head
 of 32k draft ids, the kind train-draft makes, unless --draft). For each --batch size B, B requests of --context
 random prompt tokens and --new-tokens new tokens each (an end of answer does not stop them), submitted at once
-(greedy, CUDA graphs, the engine's defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and once measured; from the scheduler's
-own record of every step: the GPU time of its pass (CUDA events), the host time of the step around it, the rows it
-ran, for the steps with prompt chunks and the decode-only steps apart. Without overlap (the default) the GPU idles
-for the host part of every step (host = step - GPU); with it (AR), a step's call launches it and then waits for the
-step before, so step - GPU is the GPU's idle time per step and GPU share its busy fraction.
+(greedy, CUDA graphs, the engine's defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and
+once measured; from the scheduler's own record of every step: the GPU time of its pass (CUDA events), the host time
+of the step around it, the rows it ran, for the steps with prompt chunks and the decode-only steps apart.
+Without overlap (the default) the GPU idles for the host part of every step (host = step - GPU); with it (AR), a
+step's call launches it and then waits for the step before, so step - GPU is the GPU's idle time per step and GPU
+share its busy fraction.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ from ..models.registry import UserError
 from ..vocab.strategies import METHODS
 from ..speculative.batch_tree import draft_trees, verify
 from ..speculative.tree import Tree, TreeConfig, causal
-from .kernels import COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, projection_lines, write_report
+from .kernels import (COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, projection_lines, weight_bytes,
+                      write_report)
 
 
 RANDOM_DRAFT_VOCAB = 32768  # the random head's draft vocabulary: train-draft's default --loss-vocab
@@ -283,10 +286,6 @@ PHASES = [("draft tree (depth steps: draft layer + head + growth, the selection)
           ("accept", "runner", "accept"),
           ("draft layer (every call: the tree's steps, catch-up, the accepted path)", "draft", "hidden"),
           ("window update (ids in, gathers queued)", "vocab", "update")]
-
-
-def weight_bytes(m) -> int:
-    return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
 def read_bytes(target) -> int:
