@@ -1,18 +1,18 @@
 """`python -m plugins.check_layers`: the Triton layer kernels against the torch reference on random inputs.
 
-Each op (add + RMSNorm, rotary + cache write, gated activation, the projections' skinny GEMM in every config
-it may be measured in (with bias, with SiLU / GELU x up in its prologue, split K, rows 1 .. 64, bf16 and fp32
-even under the interpreter), attention over random tree / causal / windowed spans, over batches of requests
-with their own committed lengths in a pool behind random block tables, and over a batched engine step's packed
-rows: prompt chunks and decode rows, `Spans`, in one launch and part by part) and then whole forwards (one
-request, a batch in a paged pool against each request alone, packed passes of chunks and decode rows) of small
-random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models. Inputs
-are fresh random draws; outputs are poisoned first (caches too) so an unwritten element fails. Error =
-|got - ref| / |ref| (Frobenius), against a float64 reference for attention; bf16 must stay under 2e-2, fp32
-under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on
-small shapes); on a GPU it also checks the shapes of qwen2.5-coder-1.5b. Each check prints one line as it
-finishes (all configs of one projection shape on one line), with its seconds; `--only TEXT` runs a subset; on a
-GPU the skinny GEMM's variants are compiled in --jobs processes first.
+Each op (add + RMSNorm, rotary + cache write, gated activation, the vocabulary top-k's grouped selection, the
+projections' skinny GEMM in every config it may be measured in (with bias, with SiLU / GELU x up in its prologue,
+split K, rows 1 .. 64, bf16 and fp32 even under the interpreter), attention over random tree / causal / windowed
+spans, over batches of requests with their own committed lengths in a pool behind random block tables, and over a
+batched engine step's packed rows: prompt chunks and decode rows, `Spans`, in one launch and part by part) and then
+whole forwards (one request, a batch in a paged pool against each request alone, packed passes of chunks and decode
+rows) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models.
+Inputs are fresh random draws; outputs are poisoned first (caches too) so an unwritten element fails. Error = |got -
+ref| / |ref| (Frobenius), against a float64 reference for attention; bf16 must stay under 2e-2, fp32 under 1e-4. On
+a CPU run it with TRITON_INTERPRET=1 (the test suite does, on small shapes); on a GPU it also checks the shapes of
+qwen2.5-coder-1.5b. Each check prints one line as it finishes (all configs of one projection shape on one line),
+with its seconds; `--only TEXT` runs a subset; on a GPU the skinny GEMM's variants are compiled in --jobs processes
+first.
 Exit status 1 on any failure.
 """
 from __future__ import annotations
@@ -73,6 +73,17 @@ def check_norm(dev, dtype, g, d: int) -> float:
 def check_act(dev, dtype, g, inter: int) -> float:
     gu = torch.randn(5, 2 * inter, generator=g).to(dev, dtype) * 2
     return max(rel(*both(lambda: layers.act_mul(gu, gelu))) for gelu in (False, True))
+
+
+def check_topk(dev, dtype, g, T: int, V: int, k: int) -> float:
+    """vocab_topk's grouped selection against torch.topk: the same values, and ids that hold them (ties may pick
+    other ids of an equal value). Rows with ties at the top, across groups and in the last short group. Error 0 or 1."""
+    x = torch.randn(T, V, generator=g).to(dev, dtype)
+    x[0, [3, V // 2, V - 1]] = 9.0  # a tie at the top: the first group, a middle one, the last one
+    if T > 1:
+        x[1] = 0.0  # every id ties
+    (v1, i1), (v2, _) = both(lambda: layers.vocab_topk(x, k))
+    return 0.0 if torch.equal(v1, v2) and torch.equal(x.gather(1, i1), v1) and bool((i1 < V).all()) else 1.0
 
 
 def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | None) -> list[tuple[tuple, float]]:
@@ -544,6 +555,13 @@ def cases(dev: str, big: bool, g):
     def configs(m, N, K, dtype):
         return " ".join(fmt_config(c) for c in skinny_configs(m, N, K, dtype == torch.float32))
 
+    # (rows, vocabulary, k): the LM head's top-K_pre / K_ver / k_tree rows; a vocabulary that 128 does not divide
+    tk = [(60, 151936, 10), (512, 151936, 3), (1, 151936, 3), (7, 100003, 3)] if big else \
+         [(9, 12345, 3), (2, 20480, 10), (1, 3100, 3)]
+    for dtype in dtypes:
+        for T, V, k in tk:
+            yield (f"vocab top-k T={T} V={V} k={k} {str(dtype).removeprefix('torch.')}", 0.0,
+                   lambda T=T, V=V, k=k, dtype=dtype: check_topk(dev, dtype, g, T, V, k))
     for dtype in (torch.bfloat16, torch.float32):  # bf16 under the interpreter too (fix_interpreter rounds as the GPU)
         dn = str(dtype).removeprefix("torch.")
         for rows16, rows32, N, K, bias, act in lin:

@@ -18,6 +18,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from plugins import layers
+
 from .models.registry import UserError
 
 DEFAULT_TIMEOUT_S = 300  # a rank that stops answering ends the others' collectives with an error after this
@@ -103,7 +105,7 @@ def _gather(x: torch.Tensor) -> torch.Tensor:
 def topk(logits: torch.Tensor, k: int, start: int) -> torch.Tensor:
     """The global ids [T, k] of the k largest of logits split by vocabulary, largest first: each rank's local
     top-k (value, id) pairs, gathered ([world, T, k], never the [T, V] logits), then the top-k of those."""
-    v, i = logits.topk(k, -1)
+    v, i = layers.vocab_topk(logits, k)
     v, i = _gather(v), _gather(i + start)
     T = logits.shape[0]
     v, i = v.permute(1, 0, 2).reshape(T, -1), i.permute(1, 0, 2).reshape(T, -1)

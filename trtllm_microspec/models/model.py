@@ -324,4 +324,4 @@ class Transformer(nn.Module):
 
     def topk(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """The ids of each row's k largest logits [T, k], largest first."""
-        return logits.topk(k, -1).indices if parallel.world() == 1 else parallel.topk(logits, k, self.vocab_start)
+        return layers.vocab_topk(logits, k)[1] if parallel.world() == 1 else parallel.topk(logits, k, self.vocab_start)
