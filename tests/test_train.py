@@ -1,6 +1,6 @@
 """`microspec train-draft` on the CPU: a few steps on a handful of real ShareGPT conversations with the real
 SmolLM2 engine lower the held-out loss, the unrolled (training-time test) steps see exactly what a draft-tree
-node sees at inference, the head loads and generates, --time-limit fits the schedule to the clock, an
+node sees at inference, the head loads and generates (with its answers' token ranking beside it, MicroSpec's fill), --time-limit fits the schedule to the clock, an
 interrupted run resumed from its checkpoint ends with the same weights as an uninterrupted one, --time-limit plans
 the data from measured rates, and --eval prints acceptance lengths."""
 from __future__ import annotations
@@ -24,6 +24,7 @@ from trtllm_microspec.speculative.tree import causal
 from trtllm_microspec.train import train_draft
 from trtllm_microspec.train.train_draft import (CHECKPOINT, EVAL_DEPTHS, pack, plan_rows, target_features, tokenize,
                                                 train, unroll)
+from trtllm_microspec.vocab.frequency import FREQ_FILE
 
 ROW = 160  # tokens per packed row: two or three of the short conversations below share one
 KW = dict(max_len=ROW, steps=4, lr=1e-3, batch_tokens=2 * ROW, ttt_steps=2, seed=3, device="cpu", save_every=2,
@@ -219,6 +220,25 @@ def test_saved_head_generates(engine_dir, trained):
     r = LLM(engine_dir, method="eagle", draft=out, max_seq_len=256, spec_policy="fixed").generate(  # every step a round
         "Hello!", max_new_tokens=8, chat=True)
     assert r.num_new_tokens > 0 and r.stats["rounds"] > 0  # speculative rounds ran with the trained head
+
+
+def test_saved_head_ranks_its_answers(engine_dir, trained, tmp_path):
+    """train-draft writes the ranking of its training answers' tokens beside the head; an engine without its own
+    (build-freq) ranking fills MicroSpec's free slots by it, not by token id."""
+    out, _ = trained
+    f = load_file(out / FREQ_FILE)
+    ranked, counts = f["ranked_ids"], f["counts"]
+    V = read_config(engine_dir).vocab_size
+    assert torch.equal(ranked.sort().values, torch.arange(V)) and int(counts.sum()) > 0
+    ordered = counts[ranked]
+    assert torch.all(ordered[:-1] >= ordered[1:]) and int(ordered[0]) > int(ordered[50])
+    engine = tmp_path / "engine"  # the shared engine's files, without a ranking of its own
+    engine.mkdir()
+    for e in engine_dir.iterdir():
+        if e.name != FREQ_FILE:
+            (engine / e.name).symlink_to(e)
+    ms = LLM(engine, "microspec", draft=out, w_max=64, max_seq_len=256)
+    assert torch.equal(ms.vocab.fill_ids, ranked[:64])
 
 
 def test_time_limit_fits_the_schedule_then_stops(engine_dir, convs, tmp_path, monkeypatch):

@@ -26,10 +26,10 @@ from .engine.runner import check_request, round_reserve
 from .models.registry import MODELS, UserError, cache_dir, need
 from .speculative.sampling import SamplingParams
 from .speculative.tree import tree_for
+from .vocab.frequency import FREQ_FILE
 from .vocab.strategies import METHODS, make_vocab
 
 DRAFT_SUBDIR = "eagle"  # an engine's default draft head lives in <engine>/eagle
-FREQ_FILE = "token_freq.safetensors"  # FR-Spec's ranked token ids, stored with the engine
 # microspec's k_tree when none is given (issue 37, benchmarks/cpu_fill_smollm2.md); the other windows take 0, so that
 # microspec-paper and the ablations stay the paper's window
 DEFAULT_K_TREE = 3
@@ -159,8 +159,8 @@ class LLM:
                 raise UserError(f"draft {draft_dir} is damaged ({one_line(e)}): rebuild or retrain it") from None
             head, head_ids = draft_model.vocab_rows()  # EAGLE-3: its own LM head and the target id of each row
             # frspec over an EAGLE-3 head is its own draft vocabulary: no ranking needed
-            ranked = self._ranked_ids() if method != "eagle" and not (method == "frspec" and head_ids is not None) \
-                else None
+            ranks = method != "eagle" and not (method == "frspec" and head_ids is not None)
+            ranked = self._ranked_ids(draft_dir) if ranks else None
             vocab = make_vocab(method, head, self.target.cfg.eos_ids, w_max=w_max, ranked_ids=ranked,
                                static_k=static_k, head_ids=head_ids, vocab_size=self.target.cfg.vocab_size)
         self.draft, self.vocab, self.tree, self.k_pre, self.k_ver = draft_model, vocab, tree, k_pre, k_ver
@@ -179,10 +179,11 @@ class LLM:
         self.overlap = overlap
         self._scheduler = None  # the batched engine and its KV pool, made on first use
 
-    def _ranked_ids(self) -> torch.Tensor | None:
-        """FR-Spec's ranking (frspec's vocabulary, microspec's fill), None if the engine has none."""
-        f = self.engine_dir / FREQ_FILE
-        if not f.exists():
+    def _ranked_ids(self, draft_dir: Path) -> torch.Tensor | None:
+        """FR-Spec's ranking (frspec's vocabulary, microspec's fill): the engine's (build-freq), else the draft
+        head's (train-draft's, of its training answers), None if neither has one."""
+        f = next((f for f in (self.engine_dir / FREQ_FILE, draft_dir / FREQ_FILE) if f.exists()), None)
+        if f is None:
             return None
         from safetensors.torch import load_file
         V = self.target.cfg.vocab_size
@@ -195,7 +196,8 @@ class LLM:
                 and ids.unique().numel() == ids.numel()
             why = None if ok else f"not a ranking of distinct ids of the engine's {V}"
         if why:
-            raise UserError(f"{f} is damaged ({why}): rebuild it with `microspec build-freq --engine {self.engine_dir}`")
+            raise UserError(f"{f} is damaged ({why}): rebuild it with `microspec build-freq --engine {self.engine_dir}`"
+                            + ("" if f.parent == self.engine_dir else " or delete it"))
         return ids
 
     @property

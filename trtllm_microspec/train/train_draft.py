@@ -82,6 +82,7 @@ from ..models.registry import UserError, check_out_dir, need
 from ..models.tokenizer import Tokenizer
 from ..speculative.eagle import EagleDraft, _target_record, draft_config, save_draft
 from ..speculative.eagle3 import Eagle3Draft, default_taps, draft3_config, save_draft3
+from ..vocab.frequency import FREQ_FILE, save_ranking
 
 CE_WEIGHT = 0.1  # EAGLE's weight of the token loss against the feature loss
 NOISE = 0.1  # EAGLE's uniform noise on the input features: U(-NOISE, NOISE)
@@ -453,11 +454,16 @@ def _cache_timed(target: Transformer, packs: list[Pack], desc: str) -> float:
     return sum(p.real for p in packs[1:] or packs) / max(perf_counter() - t, 1e-9)
 
 
+def answer_counts(seqs: list[tuple[np.ndarray, np.ndarray]], V: int) -> np.ndarray:
+    """How often each id is an assistant token of the training data [V]."""
+    return np.bincount(np.concatenate([ids[m] for ids, m in seqs]), minlength=V)[:V]
+
+
 def frequent_ids(target: Transformer, seqs: list[tuple[np.ndarray, np.ndarray]], k: int):
     """The k ids most frequent as assistant tokens of the training data, EOS always among them, in id order; and
     the share of the training positions whose next token they hold."""
     V = target.head_weight.shape[0]
-    counts = np.bincount(np.concatenate([ids[m] for ids, m in seqs]), minlength=V)[:V]
+    counts = answer_counts(seqs, V)
     rank = counts.astype(np.float64)
     rank[[e for e in target.cfg.eos_ids if e < V]] = np.inf  # the end of an answer is always predictable
     ids = np.sort(np.argsort(-rank, kind="stable")[:k])
@@ -645,6 +651,9 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
     seqs, n_first, held, what = training_data(engine_dir, tok, max_len, heldout, conversations, data, distilled,
                                               mix_sharegpt, heldout_data)
     head, coverage = loss_head(target, seqs, loss, loss_vocab)
+    # the answers' token ranking, saved beside the head: MicroSpec's fill ranks its free slots by it when the engine
+    # has no build-freq ranking (else an EAGLE-3 head's fill would rank its draft vocabulary by id)
+    counts = torch.from_numpy(answer_counts(seqs, target.cfg.vocab_size))
     vocab_ids = None
     if arch == "eagle3":  # its draft vocabulary: the --loss-vocab ids most frequent in the training answers
         V = target.cfg.vocab_size
@@ -796,6 +805,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         save_draft3(draft, out, _target_record(engine_dir), "trained here")
     else:
         save_draft(draft, out, engine_dir)
+    save_ranking(out / FREQ_FILE, counts)
     tokens = sum(p.real for p in train_packs)
     r = {"out": str(out), "arch": arch, "data": what, "loss": loss, "steps": done, "planned_steps": plan, "epoch_steps": total,
          "ttt_steps": ttt_steps, "train_tokens": tokens, "rows": len(train_packs),

@@ -1,6 +1,8 @@
 """`microspec build-freq`: the FR-Spec token-frequency list of an engine (its static draft vocabulary).
 
-Counts the target tokenizer's ids over a corpus of raw text and writes `<engine>/token_freq.safetensors`:
+Counts the target tokenizer's ids over a corpus of raw text and writes `<engine>/token_freq.safetensors`
+(`train-draft` writes the same file beside the head it trains, counted over its training answers; an engine
+without its own ranking uses its draft's):
   ranked_ids  int64 [V]  every id of the engine's vocabulary, by count descending, ties by id ascending
   counts      int64 [V]  the count of each id, indexed by id (so counts[ranked_ids] is non-increasing)
 Corpus: `sharegpt` (the text of every message of every conversation), a .txt file (one document per line,
@@ -19,6 +21,7 @@ import torch
 
 from ..models.registry import UserError
 
+FREQ_FILE = "token_freq.safetensors"  # the ranking's file name, in an engine's directory or a head's
 BATCH = 1024  # documents per tokenizer call (the Rust tokenizer parallelises within a batch)
 
 
@@ -63,11 +66,17 @@ def rank(counts: torch.Tensor) -> torch.Tensor:
     return torch.sort(-counts, stable=True).indices
 
 
-def build_freq(engine_dir: Path, corpus: str = "sharegpt", limit: int | None = None) -> Path:
+def save_ranking(out: Path, counts: torch.Tensor) -> Path:
+    """A ranking file (the format above) from per-id counts: build-freq's of an engine, train-draft's of a head
+    (the counts of its training answers' tokens, beside the head)."""
     from safetensors.torch import save_file
 
+    save_file({"ranked_ids": rank(counts), "counts": counts.long().contiguous()}, out)
+    return out
+
+
+def build_freq(engine_dir: Path, corpus: str = "sharegpt", limit: int | None = None) -> Path:
     from ..engine.loader import read_config
-    from ..llm import FREQ_FILE
     from ..models.tokenizer import Tokenizer
 
     if limit is not None and limit < 1:
@@ -76,9 +85,7 @@ def build_freq(engine_dir: Path, corpus: str = "sharegpt", limit: int | None = N
     counts = count_tokens(Tokenizer(engine_dir), corpus_texts(corpus, limit), cfg.vocab_size)
     if not counts.any():  # all-zero counts would replace a good ranking with plain id order
         raise UserError(f"corpus {corpus} holds no text to count; {FREQ_FILE} is left as it was")
-    out = Path(engine_dir) / FREQ_FILE
-    save_file({"ranked_ids": rank(counts), "counts": counts}, out)
-    return out
+    return save_ranking(Path(engine_dir) / FREQ_FILE, counts)
 
 
 def cmd_build_freq(a) -> None:
