@@ -413,13 +413,16 @@ def test_kernels_in_ranges_by_time():
     """--trace's per-piece table gives a range the kernels that start inside it (the profiler's one clock; each
     range synchronizes at its ends on CUDA), not the ones the profiler links to its launches: on the H200 those
     links missed Triton's kernels and left the verify under its byte floor."""
-    from trtllm_microspec.bench.profile import kernels_in
+    from trtllm_microspec.bench.profile import kernels_in, merged, total_of
 
-    kernels = [(0.5, 1.0), (1.0, 2.0), (2.5, 4.0), (3.0, 8.0), (7.0, 16.0), (9.5, 32.0)]  # (start, duration)
-    assert kernels_in(kernels, [(1.0, 3.0), (7.0, 9.0)]) == (30.0, 4)  # the ends belong to the range
-    assert kernels_in(kernels, [(7.0, 9.0), (1.0, 3.0)]) == (30.0, 4)  # in any order
-    assert kernels_in(kernels, [(3.5, 6.0)]) == (0, 0) and kernels_in(kernels, []) == (0, 0)
-    assert kernels_in(kernels, [(0.0, 10.0)]) == (63.0, 6)
+    kernels = [(0.5, 1.0, "a"), (1.0, 2.0, "b"), (2.5, 4.0, "a"), (3.0, 8.0, "c"), (7.0, 16.0, "a"),
+               (9.5, 32.0, "b")]  # (start, duration, name)
+    assert total_of(kernels_in(kernels, [(1.0, 3.0), (7.0, 9.0)])) == (30.0, 4)  # the ends belong to the range
+    assert kernels_in(kernels, [(7.0, 9.0), (1.0, 3.0)]) == {"a": [20.0, 2], "b": [2.0, 1], "c": [8.0, 1]}
+    assert total_of(kernels_in(kernels, [(3.5, 6.0)])) == (0, 0) and kernels_in(kernels, []) == {}
+    assert total_of(kernels_in(kernels, [(0.0, 10.0)])) == (63.0, 6)
+    # a range nested in another (a draft layer call inside the draft tree) counts once in their union
+    assert merged([(7.0, 8.0), (1.0, 3.0), (0.0, 2.0), (7.5, 9.0)]) == [(0.0, 3.0), (7.0, 9.0)]
 
 
 def test_timeline_trace_round_pieces(engine_dir, tmp_path):
@@ -451,6 +454,7 @@ def test_timeline_trace_round_pieces(engine_dir, tmp_path):
     assert float(floors["verify"]) * 4.2e12 / 1e6 > cfg.num_layers * per_layer * 2  # every layer's bytes
     assert float(floors["draft layer"]) > 0 and floors["accept"] == "-" and floors["window update"] == "-"
     assert float(floors["whole round"]) > float(floors["verify"])
+    assert "Each piece's largest kernels" in out.read_text()  # (the CPU has no kernels to list)
 
 
 def test_timeline_runs_every_request_to_its_budget(engine_dir, tmp_path, monkeypatch):

@@ -46,6 +46,7 @@ from .kernels import (COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, pro
 
 
 RANDOM_DRAFT_VOCAB = 32768  # the random head's draft vocabulary: train-draft's default --loss-vocab
+TOP_KERNELS = 10  # --trace: the kernels listed per round piece
 
 
 def run(a) -> None:
@@ -294,17 +295,37 @@ def read_bytes(target) -> int:
     return weight_bytes(target) - (0 if target.cfg.tie_word_embeddings else weight_bytes(target.embed_tokens))
 
 
-def kernels_in(kernels: list[tuple[float, float]], intervals: list[tuple[float, float]]) -> tuple[float, int]:
-    """The GPU time and count of the kernels (start, duration) that start inside one of the intervals (start,
-    end; disjoint: one label's ranges, which never nest), all on the profiler's one clock."""
+def kernels_in(kernels: list[tuple[float, float, str]], intervals: list[tuple[float, float]]) -> dict[str, list]:
+    """The kernels (start, duration, name) that start inside one of the intervals (start, end; disjoint: one
+    label's ranges, which never nest, or a merged union), all on the profiler's one clock -> per kernel name
+    [GPU time, count]."""
     spans = sorted(intervals)
     starts = [s for s, _ in spans]
-    us = k = 0
-    for start, dur in kernels:
+    by_name: dict[str, list] = {}
+    for start, dur, name in kernels:
         i = bisect.bisect_right(starts, start) - 1  # the last interval starting at or before the kernel
         if i >= 0 and start <= spans[i][1]:
-            us, k = us + dur, k + 1
-    return us, k
+            t = by_name.setdefault(name, [0.0, 0])
+            t[0] += dur
+            t[1] += 1
+    return by_name
+
+
+def total_of(by_name: dict[str, list]) -> tuple[float, int]:
+    """kernels_in's GPU time and count over every name."""
+    return sum(t for t, _ in by_name.values()), sum(k for _, k in by_name.values())
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals (nested or overlapping: the draft layer's calls inside the draft tree) as disjoint
+    ones."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
 
 
 def round_phases(sched, target, a, g) -> list[str]:
@@ -372,11 +393,14 @@ def round_phases(sched, target, a, g) -> list[str]:
     spans = {label: [e for e in host if e.name == label] for label, _, _ in PHASES}
     n = max(len(rounds), 1)
 
-    kernels = [(e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+    kernels = [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in prof.events()
                if "CUDA" in str(e.device_type) and not getattr(e, "is_user_annotation", False)]
 
+    def intervals(ranges) -> list[tuple[float, float]]:
+        return [(e.time_range.start, e.time_range.end) for e in ranges]
+
     def gpu_us(ranges) -> tuple[float, int]:  # the kernels that ran inside the ranges: their GPU time and count
-        return kernels_in(kernels, [(e.time_range.start, e.time_range.end) for e in ranges])
+        return total_of(kernels_in(kernels, intervals(ranges)))
 
     # the weight bytes a piece must read at least: the verify the target's (read_bytes), a draft layer call its
     # decoder layer's (EAGLE-3's fc too on feature calls: not counted)
@@ -404,6 +428,18 @@ def round_phases(sched, target, a, g) -> list[str]:
         short = label.split(" (")[0]
         out.append(f"| {label} | {calls[short]:.1f} | {us / n:.0f} | {k / n:.0f} | {total(spans[label]) / n:.0f} | "
                    f"{floor(us / n, floor_us.get(short, 0) * calls[short])} |")
+    # each piece's largest kernels, and the round's kernels outside every piece (the sampler, the top-K over the
+    # trees' logits, the KV moves, the features): where a piece's time goes, by kernel
+    pieces = {label.split(" (")[0]: kernels_in(kernels, intervals(spans[label])) for label, _, _ in PHASES}
+    inside = kernels_in(kernels, merged([iv for label, _, _ in PHASES for iv in intervals(spans[label])]))
+    rest = {name: [t - inside.get(name, [0, 0])[0], k - inside.get(name, [0, 0])[1]]
+            for name, (t, k) in kernels_in(kernels, intervals(rounds)).items()}
+    pieces["outside the pieces"] = {name: tk for name, tk in rest.items() if tk[1] > 0}
+    out += ["", f"Each piece's largest kernels (the {TOP_KERNELS} by GPU time), per round:", "",
+            "| piece | kernel | calls / round | GPU us / round |", "|---|---|---:|---:|"]
+    for piece in ("draft tree", "draft layer", "verify", "outside the pieces"):
+        top = sorted(pieces[piece].items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+        out += [f"| {piece} | {cell(name[:80])} | {k / n:.1f} | {t / n:.1f} |" for name, (t, k) in top]
     return out
 
 
