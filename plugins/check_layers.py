@@ -67,7 +67,12 @@ def check_norm(dev, dtype, g, d: int) -> float:
     wide = torch.randn(7, 2 * d, generator=g).to(dev, dtype)
     res, delta = wide[:, :d], wide[:, d:]
     (r1, h1), (r2, h2) = both(lambda: layers.add_rms_norm(res, delta, w, 1e-6, 0.0))
-    return max(err, rel(r1, r2), rel(h1, h2))
+    err = max(err, rel(r1, r2), rel(h1, h2))
+    # the plain norm (the draft's hidden / input / head norms) over [B, k, d] rows and a strided slice of them
+    rows = torch.randn(3, 5, 2 * d, generator=g).to(dev, dtype) * 3
+    for x, offset in ((rows[..., :d].contiguous(), 0.0), (rows[..., d:], 1.0)):
+        err = max(err, rel(*both(lambda: layers.rms_norm(x, w, 1e-6, offset))))
+    return err
 
 
 def check_act(dev, dtype, g, inter: int) -> float:
@@ -80,6 +85,7 @@ def check_topk(dev, dtype, g, T: int, V: int, k: int) -> float:
     other ids of an equal value). Rows with ties at the top, across groups and in the last short group. Error 0 or 1."""
     x = torch.randn(T, V, generator=g).to(dev, dtype)
     x[0, [3, V // 2, V - 1]] = 9.0  # a tie at the top: the first group, a middle one, the last one
+    x[-1, V - k:] = 8.0  # a row whose top k are its last ids (the shorter group past TOPK_GROUP x groups, if any)
     if T > 1:
         x[1] = 0.0  # every id ties
     (v1, i1), (v2, _) = both(lambda: layers.vocab_topk(x, k))
@@ -596,7 +602,7 @@ def cases(dev: str, big: bool, g):
         tol = TOL[dtype]
         dn = str(dtype).removeprefix("torch.")
         for d in ([576, 640, 1536] if big else [96, 128]):
-            yield f"add_rms_norm d={d} {dn}", tol, lambda d=d: check_norm(dev, dtype, g, d)
+            yield f"add_rms_norm and rms_norm d={d} {dn}", tol, lambda d=d: check_norm(dev, dtype, g, d)
         yield f"act_mul {dn}", tol, lambda: check_act(dev, dtype, g, 8960 if big else 200)
         for H, KV, D in shapes:
             yield (f"rope_cache_write H={H} KV={KV} D={D} {dn}", tol,
