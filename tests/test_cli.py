@@ -568,10 +568,10 @@ def test_prompts_file_requests_have_their_phase_times(capsys, engine, random_dra
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench"], ["profile"]])
 def test_overlap_flag(command):
-    """--overlap / --no-overlap on every command that runs the batched engine; unset: the engine's default (off)."""
+    """--overlap / --no-overlap on every command that runs the batched engine; unset: the engine's default (on)."""
     from trtllm_microspec.cli import build_parser
     from trtllm_microspec.engine.scheduler import DEFAULT_OVERLAP
 
     parse = build_parser().parse_args
-    assert parse(command).overlap is None and DEFAULT_OVERLAP is False
+    assert parse(command).overlap is None and DEFAULT_OVERLAP is True
     assert parse(command + ["--overlap"]).overlap is True and parse(command + ["--no-overlap"]).overlap is False

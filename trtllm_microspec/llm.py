@@ -124,7 +124,7 @@ class LLM:
         a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
         included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
         the configured tree). overlap: the batched engine schedules and launches an AR step while the one before
-        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: DEFAULT_OVERLAP, off).
+        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: DEFAULT_OVERLAP, on).
         k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node, the rejected
         ones too (None: k_tree_for's default, 3 for microspec, 0 for the paper's window and the ablations)."""
         if method not in METHODS:
