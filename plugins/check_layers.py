@@ -1,18 +1,18 @@
 """`python -m plugins.check_layers`: the Triton layer kernels against the torch reference on random inputs.
 
-Each op (add + RMSNorm, rotary + cache write, gated activation, the vocabulary top-k's grouped selection, the
-projections' skinny GEMM in every config it may be measured in (with bias, with SiLU / GELU x up in its prologue,
-split K, rows 1 .. 64, bf16 and fp32 even under the interpreter), attention over random tree / causal / windowed
-spans, over batches of requests with their own committed lengths in a pool behind random block tables, and over a
-batched engine step's packed rows: prompt chunks and decode rows, `Spans`, in one launch and part by part) and then
-whole forwards (one request, a batch in a paged pool against each request alone, packed passes of chunks and decode
-rows) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w) norms, GELU) models.
-Inputs are fresh random draws; outputs are poisoned first (caches too) so an unwritten element fails. Error = |got -
-ref| / |ref| (Frobenius), against a float64 reference for attention; bf16 must stay under 2e-2, fp32 under 1e-4. On
-a CPU run it with TRITON_INTERPRET=1 (the test suite does, on small shapes); on a GPU it also checks the shapes of
-qwen2.5-coder-1.5b. Each check prints one line as it finishes (all configs of one projection shape on one line),
-with its seconds; `--only TEXT` runs a subset; on a GPU the skinny GEMM's variants are compiled in --jobs processes
-first.
+Each op (add + RMSNorm, rotary + cache write, gated activation, the vocabulary top-k's grouped selection, the KV
+slots' move, the projections' skinny GEMM in every config it may be measured in (with bias, with SiLU / GELU x up in
+its prologue, split K, rows 1 .. 64, bf16 and fp32 even under the interpreter), attention over random tree / causal
+/ windowed spans, over batches of requests with their own committed lengths in a pool behind random block tables,
+and over a batched engine step's packed rows: prompt chunks and decode rows, `Spans`, in one launch and part by
+part) and then whole forwards (one request, a batch in a paged pool against each request alone, packed passes of
+chunks and decode rows) of small random Llama, Qwen2 (q/k/v bias) and Gemma-3 (sliding window, q/k norms, (1 + w)
+norms, GELU) models. Inputs are fresh random draws; outputs are poisoned first (caches too) so an unwritten element
+fails. Error = |got - ref| / |ref| (Frobenius), against a float64 reference for attention; bf16 must stay under
+2e-2, fp32 under 1e-4. On a CPU run it with TRITON_INTERPRET=1 (the test suite does, on small shapes); on a GPU it
+also checks the shapes of qwen2.5-coder-1.5b. Each check prints one line as it finishes (all configs of one
+projection shape on one line), with its seconds; `--only TEXT` runs a subset; on a GPU the skinny GEMM's variants
+are compiled in --jobs processes first.
 Exit status 1 on any failure.
 """
 from __future__ import annotations
@@ -90,6 +90,25 @@ def check_topk(dev, dtype, g, T: int, V: int, k: int) -> float:
         x[1] = 0.0  # every id ties
     (v1, i1), (v2, _) = both(lambda: layers.vocab_topk(x, k))
     return 0.0 if torch.equal(v1, v2) and torch.equal(x.gather(1, i1), v1) and bool((i1 < V).all()) else 1.0
+
+
+def check_move(dev, dtype, g, L: int, KV: int, D: int, P: int) -> float:
+    """move_slots: three requests' accepted paths moved to their committed slots in every layer and head. Each row's
+    sources are a path of tree nodes (increasing, the leaf repeated) and its destinations the next P slots, so a
+    row's sources and destinations overlap; the rows are disjoint. Error 0 or 1 (a copy is exact)."""
+    S = 4 * 64
+    k, v = (torch.randn(L, KV, S, D, generator=g).to(dev, dtype) for _ in range(2))
+    n = torch.tensor([0, 64, 128])  # each request's committed length; its tree's slots n .. n + 59
+    src, dst = [], []
+    for b in range(3):
+        path = torch.randperm(12, generator=g)[:P].sort().values + torch.arange(P)  # a node of depth j: index >= j
+        path[P // 2 + 1:] = path[P // 2]  # accepted up to half the path: the leaf repeated
+        src.append(n[b] + path)
+        dst.append(n[b] + torch.arange(P))
+    src, dst = torch.stack(src).to(dev), torch.stack(dst).to(dev)
+    (k1, v1), (k2, v2) = both(lambda: [(kk, vv) for kk, vv in [(k.clone(), v.clone())]
+                                       if layers.move_slots(kk, vv, src, dst) is None][0])
+    return 0.0 if torch.equal(k1, k2) and torch.equal(v1, v2) and not torch.equal(k1, k) else 1.0
 
 
 def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | None) -> list[tuple[tuple, float]]:
@@ -561,6 +580,10 @@ def cases(dev: str, big: bool, g):
     def configs(m, N, K, dtype):
         return " ".join(fmt_config(c) for c in skinny_configs(m, N, K, dtype == torch.float32))
 
+    for dtype in dtypes:
+        for L, KV, D, P in ([(28, 2, 128, 6), (3, 4, 64, 8)] if big else [(3, 2, 32, 6)]):
+            yield (f"move_slots L={L} KV={KV} D={D} P={P} {str(dtype).removeprefix('torch.')}", 0.0,
+                   lambda L=L, KV=KV, D=D, P=P, dtype=dtype: check_move(dev, dtype, g, L, KV, D, P))
     # (rows, vocabulary, k): the LM head's top-K_pre / K_ver / k_tree rows; a vocabulary that 128 does not divide
     tk = [(60, 151936, 10), (512, 151936, 3), (1, 151936, 3), (7, 100003, 3)] if big else \
          [(9, 12345, 3), (2, 20480, 10), (1, 3100, 3)]

@@ -199,6 +199,19 @@ def rope_cache_write(qkv: torch.Tensor, heads: int, kv_heads: int, rope: tuple[t
     return q
 
 
+def move_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the cache pools' [layers, kv_heads, slots, D] physical slots src -> dst ([B, P] each, one request a row:
+    a verified tree's accepted path moved to its committed slots; a row's sources and destinations may overlap,
+    different rows' never do), in every layer and head. On CUDA one kernel: torch splits its indexing of a pool of more
+    than 2^31 elements into launches of 32-bit-indexable pieces, the likely source of the 2 x 33 index kernels (~190
+    us) a round that the H200 trace found outside the round's named pieces (not measured since)."""
+    if fast(k_cache, v_cache) and src.dim() == 2:
+        from .triton_layers import move_slots as kernel
+        return kernel(k_cache, v_cache, src, dst)
+    k_cache[:, :, dst] = k_cache[:, :, src]
+    v_cache[:, :, dst] = v_cache[:, :, src]
+
+
 def act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     """[T, 2I] (gate | up) -> act(gate) * up [T, I]; SiLU (Llama, Qwen2) or tanh-GELU (Gemma)."""
     if fast(gate_up):

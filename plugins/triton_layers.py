@@ -111,6 +111,35 @@ def rope_cache_write(qkv, heads, kv_heads, rope, positions, slots, k_cache, v_ca
 
 
 @triton.jit
+def _move_slots_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, P, stride_lh, stride_s, D: tl.constexpr, BLOCK_P: tl.constexpr):
+    lh = tl.program_id(0)  # one (layer, kv head) of the pool
+    b = tl.program_id(1)  # one request's P slots: its sources and destinations may overlap, so each program
+    # reads all of its rows before it writes any; no other program touches its (layer, head, request) slots
+    i = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, D)
+    ok = i < P
+    src = tl.load(src_ptr + b * P + i, mask=ok, other=0)
+    dst = tl.load(dst_ptr + b * P + i, mask=ok, other=0)
+    base = lh.to(tl.int64) * stride_lh  # the pool spans more than 2^31 elements: 64-bit offsets
+    at_src = base + src[:, None] * stride_s + d[None, :]
+    at_dst = base + dst[:, None] * stride_s + d[None, :]
+    kr = tl.load(k_ptr + at_src, mask=ok[:, None])
+    vr = tl.load(v_ptr + at_src, mask=ok[:, None])
+    tl.debug_barrier()  # every thread's reads done before any write
+    tl.store(k_ptr + at_dst, kr, mask=ok[:, None])
+    tl.store(v_ptr + at_dst, vr, mask=ok[:, None])
+
+
+def move_slots(k_cache, v_cache, src, dst):
+    """layers.move_slots in one launch: a program per (layer, kv head) and request."""
+    L, KV, S, D = k_cache.shape
+    B, P = src.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    _move_slots_kernel[(L * KV, B)](k_cache, v_cache, src.contiguous(), dst.contiguous(), P, k_cache.stride(1),
+                                    k_cache.stride(2), D=D, BLOCK_P=triton.next_power_of_2(P), num_warps=1)
+
+
+@triton.jit
 def _act(g, GELU: tl.constexpr):
     """act(g) in float32: SiLU, or GELU's tanh approximation (tanh(z) = 2 sigmoid(2z) - 1)."""
     if GELU:

@@ -39,9 +39,9 @@ def test_ar_batch_equals_alone(ar, alone, monkeypatch):
     (packed, no padding rows) beside the decode rows of the others."""
     sched = ar.scheduler()
     monkeypatch.setattr(sched.runner, "max_num_tokens", 24)
-    passes, real_step = [], sched.runner.step
-    monkeypatch.setattr(sched.runner, "step", lambda chunks, decodes: passes.append(
-        ([c for _, c in chunks], len(decodes))) or real_step(chunks, decodes))
+    passes, real_pass = [], sched.runner._pass  # (each step's pass, overlapped or not)
+    monkeypatch.setattr(sched.runner, "_pass", lambda chunks, decodes: passes.append(
+        ([c for _, c in chunks], len(decodes))) or real_pass(chunks, decodes))
     reqs = [sched.add(ar.prompt_ids(p, c), m) for p, c, m in CASES]
     cancel = reqs[1]
     sched.step()
@@ -109,14 +109,14 @@ def test_error_and_refusals_return_blocks(ar, monkeypatch):
     ok = sched.add([1, 2, 3], 4)
     sched.step()  # ok's prompt is in; bad comes after
     bad = sched.add([4, 5, 6], 4)
-    real = sched.runner.step
+    real = sched.runner._pass  # (each step's pass, overlapped or not)
 
     def step(chunks, decodes):
         if any(req is bad for req, _ in chunks):
             raise RuntimeError("boom")
         return real(chunks, decodes)
 
-    monkeypatch.setattr(sched.runner, "step", step)
+    monkeypatch.setattr(sched.runner, "_pass", step)
     sched.run([ok, bad])
     assert bad.stats.stop_reason == "error" and "boom" in bad.error and len(ok.out) == 4
     with pytest.raises(RuntimeError, match="generation failed: RuntimeError: boom"):

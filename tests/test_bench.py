@@ -436,9 +436,10 @@ def test_timeline_trace_round_pieces(engine_dir, tmp_path):
     main(["profile", "--engine", str(engine_dir), "--timeline", "--trace", "--method", "microspec", "--batch", "1",
           "--context", "16", "--new-tokens", "6", "--out", str(out)])
     assert (runner_mod.draft_trees, runner_mod.verify, runner_mod.accept) == before
-    rows = {line.split("|")[1].strip().split(" (")[0]: float(line.split("|")[2]) for line in
-            out.read_text().split("one round's pieces")[1].splitlines() if line.startswith("| ") and "---" not in line
-            and not line.startswith("| piece")}
+    text = out.read_text()
+    table = text.split("one round's pieces")[1].split("Each piece's largest kernels")[0]
+    rows = {line.split("|")[1].strip().split(" (")[0]: float(line.split("|")[2]) for line in table.splitlines()
+            if line.startswith("| ") and "---" not in line and not line.startswith("| piece")}
     assert rows["whole round"] == 1 and rows["draft tree"] == 1.0 and rows["verify"] == 1.0
     assert rows["accept"] == 1.0 and rows["window update"] == 1.0
     assert rows["draft layer"] >= 3 + 1  # depth steps + the accepted path (+ a catch-up after plain steps)
@@ -447,14 +448,20 @@ def test_timeline_trace_round_pieces(engine_dir, tmp_path):
     from trtllm_microspec.models.model import ModelConfig
 
     cfg = ModelConfig.load(engine_dir / "config.json")
-    floors = {line.split("|")[1].strip().split(" (")[0]: line.split("|")[6].strip() for line in
-              out.read_text().split("one round's pieces")[1].splitlines() if line.startswith("| ") and "---" not in line
-              and not line.startswith("| piece")}
+    floors = {line.split("|")[1].strip().split(" (")[0]: line.split("|")[6].strip() for line in table.splitlines()
+              if line.startswith("| ") and "---" not in line and not line.startswith("| piece")}
     per_layer = 4 * cfg.hidden_size ** 2  # q|k|v|o at least
     assert float(floors["verify"]) * 4.2e12 / 1e6 > cfg.num_layers * per_layer * 2  # every layer's bytes
     assert float(floors["draft layer"]) > 0 and floors["accept"] == "-" and floors["window update"] == "-"
     assert float(floors["whole round"]) > float(floors["verify"])
-    assert "Each piece's largest kernels" in out.read_text()  # (the CPU has no kernels to list)
+    assert "Each piece's largest kernels" in text  # (the CPU has no kernels to list)
+    # the step with the prompt, piece by piece: one target pass, its LM head, one top-K_pre, the draft pass over its
+    # rows, the window's start
+    prompt = {line.split("|")[1].strip().split(" (")[0]: float(line.split("|")[2]) for line in
+              text.split("a step with prompt chunks piece by piece")[1].split("\n| the step's largest")[0].splitlines()
+              if line.startswith("| ") and "---" not in line and not line.startswith("| piece")}
+    assert prompt["whole step"] == 1 and prompt["target pass"] == 1.0 and prompt["window start"] == 1.0
+    assert prompt["top-K over the vocabulary"] >= 1.0 and prompt["draft layer"] >= 1.0
 
 
 def test_timeline_runs_every_request_to_its_budget(engine_dir, tmp_path, monkeypatch):

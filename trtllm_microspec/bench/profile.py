@@ -289,6 +289,15 @@ PHASES = [("draft tree (depth steps: draft layer + head + growth, the selection)
           ("window update (ids in, gathers queued)", "vocab", "update")]
 
 
+ROUND = ("round", "engine", "_round")  # a whole round (SpecRunner._round), plain steps apart
+PROMPT_STEP = ("step with prompt chunks", "engine", "packed")  # its target pass and draft pass (SpecRunner.packed)
+# a step with prompt chunks' pieces, beside the draft layer (PHASES); the target's calls inside a round run in verify
+PROMPT_PHASES = [("target pass (the step's rows)", "target", "forward"),
+                 ("LM head (each prompt row's for its top-K_pre, the sampled rows')", "target", "logits"),
+                 ("top-K over the vocabulary", "target", "topk"),
+                 ("window start (each prompt that ends in the step)", "vocab", "start")]
+
+
 def read_bytes(target) -> int:
     """The weight bytes a target pass reads at least: every weight but an untied embedding table, of which a step
     gathers only its tokens' rows (qwen2.5-coder-1.5b in bf16: 3.09 GB of its 3.55)."""
@@ -340,7 +349,7 @@ def round_phases(sched, target, a, g) -> list[str]:
     from ..engine import runner as runner_mod
 
     runner, B = sched.runner, max(a.batch)
-    owners = dict(runner=runner_mod, draft=runner.draft, vocab=runner.vocab)
+    owners = dict(runner=runner_mod, draft=runner.draft, vocab=runner.vocab, engine=runner, target=target)
     saved = []
     cuda = target.cache.k.is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -354,21 +363,11 @@ def round_phases(sched, target, a, g) -> list[str]:
             return out
         return inner
 
-    for label, owner, name in PHASES:
+    for label, owner, name in PHASES + PROMPT_PHASES + [ROUND, PROMPT_STEP]:
         obj = owners[owner]
         saved.append((obj, name, obj.__dict__.get(name)))  # None: a method of the class, not the instance's own
         setattr(obj, name, wrap(label, getattr(obj, name)))
     graphs, runner.graphs = runner.graphs, None
-    plain = runner._round
-
-    def one_round(*args, **kw):
-        sync()
-        with record_function("round"):
-            out = plain(*args, **kw)
-            sync()
-        return out
-
-    runner._round = one_round
     reqs = [sched.add(torch.randint(100, target.cfg.vocab_size, (a.context,), generator=g).tolist(), a.new_tokens)
             for _ in range(B)]
     try:
@@ -378,7 +377,6 @@ def round_phases(sched, target, a, g) -> list[str]:
                 torch.cuda.synchronize()
     finally:
         runner.graphs = graphs
-        del runner.__dict__["_round"]
         for obj, name, old in saved:
             if old is None:
                 delattr(obj, name)
@@ -389,7 +387,7 @@ def round_phases(sched, target, a, g) -> list[str]:
         return [f"## --trace: one round's pieces: the eager pass failed ({failed[0]})"]
     # the host's ranges (the GPU's own annotation of a range, where the profiler makes one, has the name too)
     host = [e for e in prof.events() if "CPU" in str(e.device_type)]
-    rounds = [e for e in host if e.name == "round"]
+    rounds = [e for e in host if e.name == ROUND[0]]
     spans = {label: [e for e in host if e.name == label] for label, _, _ in PHASES}
     n = max(len(rounds), 1)
 
@@ -440,6 +438,34 @@ def round_phases(sched, target, a, g) -> list[str]:
     for piece in ("draft tree", "draft layer", "verify", "outside the pieces"):
         top = sorted(pieces[piece].items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
         out += [f"| {piece} | {cell(name[:80])} | {k / n:.1f} | {t / n:.1f} |" for name, (t, k) in top]
+    return out + prompt_pieces(host, kernels, B)
+
+
+def prompt_pieces(host, kernels, B: int) -> list[str]:
+    """round_phases' steps with prompt chunks (SpecRunner.packed), piece by piece: the ranges of PROMPT_PHASES and
+    the draft layer that start inside such a step, per step; and the step's largest kernels."""
+    steps = [e for e in host if e.name == PROMPT_STEP[0]]
+    if not steps:
+        return []
+    n = len(steps)
+    outer = sorted((e.time_range.start, e.time_range.end) for e in steps)
+
+    def inside(label) -> list[tuple[float, float]]:
+        return [(e.time_range.start, e.time_range.end) for e in host if e.name == label
+                and any(s <= e.time_range.start <= t for s, t in outer)]
+
+    out = ["", f"## --trace: a step with prompt chunks piece by piece, batch {B}, eager (kernel GPU time inside each "
+           f"range, per step; {n} steps)", "", "| piece | calls / step | GPU us / step | kernels / step |",
+           "|---|---:|---:|---:|"]
+    us, k = total_of(kernels_in(kernels, outer))
+    out.append(f"| whole step | 1 | {us / n:.0f} | {k / n:.0f} |")
+    for label in [lab for lab, _, _ in PROMPT_PHASES] + [lab for lab, _, name in PHASES if name == "hidden"]:
+        ranges = inside(label)
+        us, k = total_of(kernels_in(kernels, ranges))
+        out.append(f"| {label} | {len(ranges) / n:.1f} | {us / n:.0f} | {k / n:.0f} |")
+    top = sorted(kernels_in(kernels, outer).items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    out += ["", "| the step's largest kernels | calls / step | GPU us / step |", "|---|---:|---:|"]
+    out += [f"| {cell(name[:80])} | {c / n:.1f} | {t / n:.1f} |" for name, (t, c) in top]
     return out
 
 

@@ -232,9 +232,9 @@ class KVCache:
             self.pos.index_copy_(0, slots, positions)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy physical slots src -> dst (both [n]); used to compact the accepted path of a verified tree."""
-        self.k[:, :, dst] = self.k[:, :, src]
-        self.v[:, :, dst] = self.v[:, :, src]
+        """Copy physical slots src -> dst (both [n], or [B, P]: one request a row); used to compact the accepted
+        path of a verified tree."""
+        layers.move_slots(self.k, self.v, src, dst)
         if self.windowed:
             self.pos[dst] = self.pos[src]
 
