@@ -205,7 +205,8 @@ def move_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, 
     different rows' never do), in every layer and head. On CUDA one kernel: torch splits its indexing of a pool of more
     than 2^31 elements into launches of 32-bit-indexable pieces, the likely source of the 2 x 33 index kernels (~190
     us) a round that the H200 trace found outside the round's named pieces (not measured since)."""
-    if fast(k_cache, v_cache) and src.dim() == 2:
+    D = k_cache.shape[-1]
+    if fast(k_cache, v_cache) and src.dim() == 2 and D & (D - 1) == 0:  # (the kernel's row is a power of 2)
         from .triton_layers import move_slots as kernel
         return kernel(k_cache, v_cache, src, dst)
     k_cache[:, :, dst] = k_cache[:, :, src]
