@@ -19,9 +19,9 @@ random prompt tokens and --new-tokens new tokens each (an end of answer does not
 (greedy, CUDA graphs, the engine's defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and
 once measured; from the scheduler's own record of every step: the GPU time of its pass (CUDA events), the host time
 of the step around it, the rows it ran, for the steps with prompt chunks and the decode-only steps apart.
-Without overlap (the default) the GPU idles for the host part of every step (host = step - GPU); with it (AR), a
-step's call launches it and then waits for the step before, so step - GPU is the GPU's idle time per step and GPU
-share its busy fraction.
+Without overlap (--no-overlap, and every speculative method) the GPU idles for the host part of every step (host =
+step - GPU); with it (AR's default), a step's call launches it and then waits for the step before, so step - GPU is
+the GPU's idle time per step and GPU share its busy fraction.
 """
 from __future__ import annotations
 
@@ -229,13 +229,15 @@ def trace(sched, target, a, g) -> list[str]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     runner, B = sched.runner, max(a.batch)
-    plain = runner.step
 
-    def step(chunks, decodes):
-        with record_function("step with prompt chunks" if chunks else "decode-only step"):
-            return plain(chunks, decodes)
+    def labelled(fn):
+        def step(chunks, decodes):
+            with record_function("step with prompt chunks" if chunks else "decode-only step"):
+                return fn(chunks, decodes)
+        return step
 
-    runner.step = step
+    for name in ("step", "step_async"):  # the synchronous step, or the overlapped one's launch (AR's default)
+        setattr(runner, name, labelled(getattr(runner, name)))
     sched.max_batch = B
     reqs = [sched.add(torch.randint(100, target.cfg.vocab_size, (a.context,), generator=g).tolist(), a.new_tokens)
             for _ in range(B)]
@@ -246,7 +248,7 @@ def trace(sched, target, a, g) -> list[str]:
             if target.cache.k.is_cuda:
                 torch.cuda.synchronize()
     finally:
-        runner.step = plain
+        del runner.step, runner.step_async  # the class's own again
     avg = prof.key_averages()
     cuda = target.cache.k.is_cuda
     def dev(e, key="device_time_total"):  # (older torch: cuda_time_total)
