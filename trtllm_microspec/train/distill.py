@@ -171,7 +171,9 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
     if not todo:
         _write_json(out / MANIFEST, m)
         return _summary(out, m, run, False, t0)
-    llm = LLM(engine_dir, method="ar", device=device, max_batch=max_batch, kv_memory=kv_memory)
+    # synchronous steps: when --time-limit stops the run, every token a step made has been read, so each answer in
+    # flight keeps all it got (the overlapped step reads a step's tokens during the next one)
+    llm = LLM(engine_dir, method="ar", device=device, max_batch=max_batch, kv_memory=kv_memory, overlap=False)
     tok, sched = llm.tokenizer, llm.scheduler()
     stop_ids = set(llm.target.cfg.eos_ids) | sched.stop_ids
     room = llm.max_seq_len - max_tokens  # the longest prompt a request may have (prompt + answer <= max_seq_len)
