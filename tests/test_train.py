@@ -362,7 +362,8 @@ def test_cli_eval_prints_acceptance(engine_dir, tmp_path, monkeypatch, capsys):
           "--save-every", "0", "--eval", "--eval-tokens", "8", "--arch", "eagle2"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["steps"] == 1 and len(r["heldout_acc"]) == EVAL_DEPTHS
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no checkpoint
+    # the head and its answers' ranking, no checkpoint
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors", FREQ_FILE]
     assert set(r["acceptance"]) == {"eagle", "microspec"} and all(v >= 1.0 for v in r["acceptance"].values())
     assert r["acceptance_by_category"] == {m: {"qa": v} for m, v in r["acceptance"].items()}  # one category here
 
