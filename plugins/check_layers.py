@@ -105,9 +105,15 @@ def check_move(dev, dtype, g, L: int, KV: int, D: int, P: int) -> float:
         path[P // 2 + 1:] = path[P // 2]  # accepted up to half the path: the leaf repeated
         src.append(n[b] + path)
         dst.append(n[b] + torch.arange(P))
-    src, dst = torch.stack(src).to(dev), torch.stack(dst).to(dev)
-    (k1, v1), (k2, v2) = both(lambda: [(kk, vv) for kk, vv in [(k.clone(), v.clone())]
-                                       if layers.move_slots(kk, vv, src, dst) is None][0])
+    both_ids = torch.cat([torch.stack(src), torch.stack(dst)], 1).to(dev)  # one [B, 2P] index, as the round's
+    src, dst = both_ids[:, :P], both_ids[:, P:]
+
+    def moved():
+        kk, vv = k.clone(), v.clone()
+        layers.move_slots(kk, vv, src, dst)
+        return kk, vv
+
+    (k1, v1), (k2, v2) = both(moved)
     return 0.0 if torch.equal(k1, k2) and torch.equal(v1, v2) and not torch.equal(k1, k) else 1.0
 
 

@@ -290,7 +290,7 @@ def vocab_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     largest first: torch.topk (the reference). On CUDA the grouped selection instead: torch's radix top-k over
     152k-wide rows took 281 ms of a batch-64 microspec pass on the H200 (every prompt row's top-K_pre, every
     round's over its trees' logits), where one read of 8,192 rows of logits takes ~0.6 ms."""
-    if k <= 0 or logits.shape[-1] < 8 * TOPK_GROUP * max(k, 1) or not fast(logits):
+    if k <= 0 or logits.shape[-1] < 8 * TOPK_GROUP * k or not fast(logits):
         return logits.topk(k, -1)
     return grouped_topk(logits, k)
 

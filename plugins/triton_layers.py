@@ -111,15 +111,16 @@ def rope_cache_write(qkv, heads, kv_heads, rope, positions, slots, k_cache, v_ca
 
 
 @triton.jit
-def _move_slots_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, P, stride_lh, stride_s, D: tl.constexpr, BLOCK_P: tl.constexpr):
+def _move_slots_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, P, stride_src, stride_dst, stride_lh, stride_s,
+                       D: tl.constexpr, BLOCK_P: tl.constexpr):
     lh = tl.program_id(0)  # one (layer, kv head) of the pool
     b = tl.program_id(1)  # one request's P slots: its sources and destinations may overlap, so each program
     # reads all of its rows before it writes any; no other program touches its (layer, head, request) slots
     i = tl.arange(0, BLOCK_P)
     d = tl.arange(0, D)
     ok = i < P
-    src = tl.load(src_ptr + b * P + i, mask=ok, other=0)
-    dst = tl.load(dst_ptr + b * P + i, mask=ok, other=0)
+    src = tl.load(src_ptr + b * stride_src + i, mask=ok, other=0)
+    dst = tl.load(dst_ptr + b * stride_dst + i, mask=ok, other=0)
     base = lh.to(tl.int64) * stride_lh  # the pool spans more than 2^31 elements: 64-bit offsets
     at_src = base + src[:, None] * stride_s + d[None, :]
     at_dst = base + dst[:, None] * stride_s + d[None, :]
@@ -135,7 +136,9 @@ def move_slots(k_cache, v_cache, src, dst):
     L, KV, S, D = k_cache.shape
     B, P = src.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
-    _move_slots_kernel[(L * KV, B)](k_cache, v_cache, src.contiguous(), dst.contiguous(), P, k_cache.stride(1),
+    # src / dst may be column slices of one [B, 2P] index (the round's): read in place by their row strides
+    src, dst = (x if x.stride(1) == 1 else x.contiguous() for x in (src, dst))
+    _move_slots_kernel[(L * KV, B)](k_cache, v_cache, src, dst, P, src.stride(0), dst.stride(0), k_cache.stride(1),
                                     k_cache.stride(2), D=D, BLOCK_P=triton.next_power_of_2(P), num_warps=1)
 
 
