@@ -41,6 +41,7 @@ def register() -> None:
     """Make the ops run the CUDA kernels on CUDA tensors (CPU tensors keep the reference)."""
     ext = load()
     fused_rows = ext.topk_max_rows()  # the epilogue keeps a row of logits in shared memory
+    fused_k = ext.topk_max_k()  # and each warp's k picks
 
     def unique_first_rows(ids, first, batch):
         return ext.unique_first_rows(ids, first, batch)
@@ -54,13 +55,13 @@ def register() -> None:
     def packed_head(hidden, packed, id_of, k):
         # cuBLAS GEMM, then one fused masked log-softmax + top-k + slot->id kernel; the full and 32k heads
         # (too many rows for shared memory) keep the torch epilogue, negligible next to their GEMM
-        if hidden.dim() != 2 or not 1 <= k <= packed.shape[0] <= fused_rows:
+        if hidden.dim() != 2 or not 1 <= k <= min(packed.shape[0], fused_k) or packed.shape[0] > fused_rows:
             return ops.REFERENCE["packed_head"](hidden, packed, id_of, k)
         return ext.logsoftmax_topk(F.linear(hidden, packed), id_of, k)
 
     def masked_topk(logits, id_of, k):
         B, T, R = logits.shape
-        if not 1 <= k <= R <= fused_rows:
+        if not 1 <= k <= min(R, fused_k) or R > fused_rows:
             return ops.REFERENCE["masked_topk"](logits, id_of, k)
         logp, ids = ext.logsoftmax_topk(logits.reshape(B * T, R), id_of, k)
         return logp.view(B, T, k), ids.view(B, T, k)
