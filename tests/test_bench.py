@@ -484,6 +484,22 @@ def test_timeline_runs_every_request_to_its_budget(engine_dir, tmp_path, monkeyp
     assert sum(r["steps"] for r in rows if r["kind"] == "decode only") >= 4  # 5 tokens: the prefill's, 4 decodes
 
 
+def test_timeline_requests_join_a_running_batch(engine_dir, tmp_path):
+    """profile --timeline --requests: more requests than the batch, of random lengths, so later prompts join while
+    others decode (the load bench's small mixed steps, which --batch alone never makes: its one prompt step comes
+    before any decode); every request runs its budget."""
+    out = tmp_path / "tl"
+    main(["profile", "--engine", str(engine_dir), "--timeline", "--batch", "2", "--requests", "5", "--context", "16",
+          "--new-tokens", "6", "--out", str(out)])
+    steps = json.loads(out.with_suffix(".json").read_text())["steps"]["2"]
+    mixed = [s for s in steps if s["chunks"] and s["decodes"]]
+    assert mixed and max(s["decodes"] + s["chunks"] for s in steps) <= 2  # joins beside decodes; 2 at most running
+    assert sum(s["chunks"] for s in steps) == 5 and len({s["prompt_tokens"] for s in steps if s["chunks"]}) > 1
+    assert "5 requests of 4-16 random prompt tokens" in out.read_text()
+    with pytest.raises(SystemExit):
+        main(["profile", "--engine", str(engine_dir), "--timeline", "--requests", "-1"])
+
+
 def test_single_request_warmup_runs_every_measured_turn_once(engine_dir, tmp_path, monkeypatch):
     """--warmup: each measured turn (a two-turn MT-bench question: the second turn's conversation holds the first
     answer) is generated once unmeasured before its timed run, so the timed pass meets no first use of a CUDA graph;

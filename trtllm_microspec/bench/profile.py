@@ -128,6 +128,8 @@ def timeline(a) -> None:
     from ..models.model import ModelConfig
     from ..speculative.eagle3 import random_head
 
+    if a.requests < 0:
+        raise UserError(f"--requests must be 0 or more, got {a.requests}")
     top = max(a.batch)
     with tempfile.TemporaryDirectory() as tmp:
         draft = a.draft
@@ -152,8 +154,7 @@ def timeline(a) -> None:
     for B in a.batch:
         sched.max_batch = B
         for measured in (False, True):  # the first pass captures the CUDA graphs its buckets need
-            reqs = [sched.add(torch.randint(100, target.cfg.vocab_size, (a.context,), generator=g).tolist(),
-                              a.new_tokens) for _ in range(B)]
+            reqs = submit(sched, B, a, g)
             sched.history.clear()
             sync = torch.cuda.synchronize if cuda else lambda: None
             sync()
@@ -192,8 +193,7 @@ def timeline(a) -> None:
     shape = "" if a.method == "ar" else (f" ({llm.tree}, --spec-policy {a.spec_policy}; a random EAGLE-3 head of "
                                           f"{RANDOM_DRAFT_VOCAB} draft ids unless --draft)")
     lines = [f"# batched engine step timeline: {meta['engine']} on {meta['device']}, {a.method}{shape}", "",
-             f"torch {meta['torch']}; per batch size B: B requests of {a.context} random prompt tokens and "
-             f"{a.new_tokens} new tokens each, submitted at once, greedy, CUDA graphs (on CUDA); max_num_tokens "
+             f"torch {meta['torch']}; per batch size B: {arrivals(a)}, greedy, CUDA graphs (on CUDA); max_num_tokens "
              f"{meta['max_num_tokens']}, {meta['kv_blocks']} KV blocks. Medians over the measured pass's steps. "
              f"GPU: the pass (CUDA events); step: the host's whole step (schedule, inputs, launch, wait, emit); "
              f"host = step - GPU, when the GPU idles. GPU share: GPU time / step time over those steps. Overlap "
@@ -222,6 +222,28 @@ def timeline(a) -> None:
     write_report(a.out, "\n".join(lines) + "\n", dict(meta=meta, timeline=rows, steps=steps, costs=costs))
 
 
+def submit(sched, B: int, a, g) -> list:
+    """A pass's requests (arrivals says which)."""
+    vocab = sched.runner.target.cfg.vocab_size
+
+    def length(n: int) -> int:  # --requests: uniform in [n / 4, n]
+        return n if not a.requests else int(torch.randint(max(1, n // 4), n + 1, (1,), generator=g))
+
+    out = []
+    for _ in range(a.requests or B):
+        prompt = torch.randint(100, vocab, (length(a.context),), generator=g).tolist()
+        out.append(sched.add(prompt, length(a.new_tokens)))
+    return out
+
+
+def arrivals(a) -> str:
+    if not a.requests:
+        return f"B requests of {a.context} random prompt tokens and {a.new_tokens} new tokens each, submitted at once"
+    return (f"{a.requests} requests of {max(1, a.context // 4)}-{a.context} random prompt tokens and "
+            f"{max(1, a.new_tokens // 4)}-{a.new_tokens} new tokens (uniform), at most B running: as requests finish "
+            f"the next prompts join the running batch in small chunks, as under the load bench")
+
+
 def trace(sched, target, a, g) -> list[str]:
     """--trace: the largest batch's pass once more under torch.profiler, each step a labelled range (steps with
     prompt chunks apart from decode-only ones): the host and GPU time of each kind and the ops and kernels that
@@ -239,8 +261,7 @@ def trace(sched, target, a, g) -> list[str]:
     for name in ("step", "step_async"):  # the synchronous step, or the overlapped one's launch (AR's default)
         setattr(runner, name, labelled(getattr(runner, name)))
     sched.max_batch = B
-    reqs = [sched.add(torch.randint(100, target.cfg.vocab_size, (a.context,), generator=g).tolist(), a.new_tokens)
-            for _ in range(B)]
+    reqs = submit(sched, B, a, g)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.cache.k.is_cuda else [])
     try:
         with profile(activities=acts) as prof:
@@ -578,6 +599,10 @@ def register(sub) -> None:
     p.add_argument("--timeline", action="store_true", help="instead of the phases: the batched engine's step "
                    "timeline, --batch requests at once of --context prompt tokens and --new-tokens new tokens each")
     p.add_argument("--new-tokens", type=int, default=128, help="--timeline: new tokens per request")
+    p.add_argument("--requests", type=int, default=0, help="--timeline: this many requests of random lengths (up "
+                   "to --context prompt and --new-tokens new tokens), at most --batch running, the next joining as "
+                   "one finishes: the load bench's steps with small prompt chunks beside the decodes (0: --batch "
+                   "requests at once)")
     p.add_argument("--trace", action="store_true", help="--timeline: the largest batch once more under "
                    "torch.profiler: host and GPU time of the steps with prompt chunks and the decode-only ones, the "
                    "ops and kernels that take it")
