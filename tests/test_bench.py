@@ -496,6 +496,8 @@ def test_timeline_requests_join_a_running_batch(engine_dir, tmp_path):
     assert mixed and max(s["decodes"] + s["chunks"] for s in steps) <= 2  # joins beside decodes; 2 at most running
     assert sum(s["chunks"] for s in steps) == 5 and len({s["prompt_tokens"] for s in steps if s["chunks"]}) > 1
     assert "5 requests of 4-16 random prompt tokens" in out.read_text()
+    # AR overlaps its steps: each step's launch is timed apart from the wait for its tokens
+    assert all(s["launch_ms"] is not None and 0 < s["launch_ms"] <= s["step_ms"] for s in steps)
     with pytest.raises(SystemExit):
         main(["profile", "--engine", str(engine_dir), "--timeline", "--requests", "-1"])
 

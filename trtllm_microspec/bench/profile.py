@@ -164,7 +164,8 @@ def timeline(a) -> None:
             wall = time.perf_counter() - t0
         recs = [r for r in sched.history if r.tokens]
         per_step = [dict(decodes=r.decodes, prompt_tokens=sum(r.chunks), chunks=len(r.chunks), rows=r.tokens,
-                         preempted=r.preempted, gpu_ms=r.gpu_ms, step_ms=r.step_s * 1e3, plan_ms=r.plan_s * 1e3)
+                         preempted=r.preempted, gpu_ms=r.gpu_ms, step_ms=r.step_s * 1e3, plan_ms=r.plan_s * 1e3,
+                         launch_ms=None if r.launch_s is None else r.launch_s * 1e3)
                     for r in recs]
         steps[B] = per_step
         tokens = sum(len(r.out) for r in reqs)
@@ -172,7 +173,7 @@ def timeline(a) -> None:
                           ("decode only", [s for s in per_step if not s["chunks"]])):
             if not sel:
                 continue
-            med = lambda k: percentiles([s[k] for s in sel], (50,))["p50"]  # noqa: E731
+            med = lambda k: percentiles([s[k] for s in sel if s[k] is not None], (50,))["p50"]  # noqa: E731
             host = gpu = share = None
             if cuda:
                 gpu = med("gpu_ms")
@@ -180,11 +181,13 @@ def timeline(a) -> None:
                 share = sum(s["gpu_ms"] for s in sel) / sum(s["step_ms"] for s in sel)
             rows.append(dict(batch=B, kind=kind, steps=len(sel), rows_p50=med("rows"), gpu_ms_p50=gpu,
                              step_ms_p50=med("step_ms"), host_ms_p50=host, plan_ms_p50=med("plan_ms"),
+                             launch_ms_p50=med("launch_ms"),
                              gpu_share=share, tok_s=tokens / wall, wall_s=wall,
                              preempted=sum(s["preempted"] for s in per_step)))
             r = rows[-1]
             print(f"timeline: batch {B:4d} {kind:18s} {r['steps']:5d} steps, rows p50 {r['rows_p50']:6.0f}, GPU "
-                  f"{_f(gpu, '7.2f')} ms, step {r['step_ms_p50']:7.2f} ms (host {_f(host, '6.2f')}), "
+                  f"{_f(gpu, '7.2f')} ms, step {r['step_ms_p50']:7.2f} ms (host {_f(host, '6.2f')}, launch "
+                  f"{_f(r['launch_ms_p50'], '6.2f')}), "
                   f"{r['tok_s']:8.0f} output tok/s overall", flush=True)
     meta = dict(engine=str(a.engine), device=torch.cuda.get_device_name() if cuda else "cpu",
                 torch=torch.__version__, context=a.context, new_tokens=a.new_tokens, method=a.method,
@@ -196,12 +199,16 @@ def timeline(a) -> None:
              f"torch {meta['torch']}; per batch size B: {arrivals(a)}, greedy, CUDA graphs (on CUDA); max_num_tokens "
              f"{meta['max_num_tokens']}, {meta['kv_blocks']} KV blocks. Medians over the measured pass's steps. "
              f"GPU: the pass (CUDA events); step: the host's whole step (schedule, inputs, launch, wait, emit); "
-             f"host = step - GPU, when the GPU idles. GPU share: GPU time / step time over those steps. Overlap "
+             f"host = step - GPU, when the GPU idles. Launch: the host's time to launch the pass alone (overlap "
+             f"only): a launch as long as the GPU's time is a step bound by its launches (the GPU's time then holds "
+             f"its waits for them). GPU share: GPU time / step time over those steps. Overlap "
              f"{'on' if meta['overlap'] else 'off'} (an AR step scheduled and launched while the one before runs).", "",
-             "| batch | steps | count | rows p50 | GPU ms p50 | step ms p50 | host ms p50 | plan ms p50 | GPU share "
-             "| output tok/s (whole pass) | preempted |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| batch | steps | count | rows p50 | GPU ms p50 | step ms p50 | host ms p50 | plan ms p50 | launch ms p50 "
+             "| GPU share | output tok/s (whole pass) | preempted |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['kind']} | {r['steps']} | {r['rows_p50']:.0f} | {_f(r['gpu_ms_p50'], '.2f')} | "
               f"{r['step_ms_p50']:.2f} | {_f(r['host_ms_p50'], '.2f')} | {r['plan_ms_p50']:.2f} | "
+              f"{_f(r['launch_ms_p50'], '.2f')} | "
               f"{_f(r['gpu_share'], '.0%')} | {r['tok_s']:.0f} | {r['preempted']} |" for r in rows]
     costs = []  # the speculation policy's calibration: one step of each shape over padding rows, graph replayed
     policy = getattr(runner, "policy", None)

@@ -96,6 +96,7 @@ class StepRecord:
     tree: int = 0  # target rows per decoding request: the speculation policy's tree size, 1 a plain step
     plan_s: float = 0.0  # host: the boundary and the schedule
     step_s: float = 0.0  # host: the whole step, the pass and the emission included
+    launch_s: float | None = None  # host: the pass's launch alone, its tokens not awaited (overlap; None without)
     events: tuple | None = None  # CUDA events around the pass (timing on)
 
     @property
@@ -303,10 +304,12 @@ class Scheduler:
         rec.plan_s = time.perf_counter() - t0
         if self.overlap and (chunks or decodes):
             rec.events = self._events()
+            t_start = time.perf_counter()
             rows, tokens, event = self._launch(chunks, decodes)
             if rec.events:
                 rec.events[1].record()
             t1 = time.perf_counter()
+            rec.launch_s = t1 - t_start
             drained += self._drain()  # step N's tokens, while this one runs
             for req, c in chunks:  # lengths advance now (after N's emission, which reads them); tokens next step
                 if not req.done:  # (failed)
