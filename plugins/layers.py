@@ -373,10 +373,12 @@ def tree_select(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, best
     the first, as indices among the level before (tree_grow's; None at depth 1). Per request, the best N-1 pool
     nodes by path score, kept in pool order (so parents precede children); a child never scores above its
     parent, and the tiny depth penalty breaks exact ties (p = 1.0 in fp32) so the chosen set always holds each
-    chosen node's parent. On CUDA one launch (a program per request) where the reference is ~25 kernels (the
-    parent index, top-(N-1), sort, scatter, gathers, a depth + 1 step ancestor closure). Ties: the kernel ranks
-    equal keys by pool index, the lower (a parent before its child) first, so the invariant holds on ties too; torch.topk's
-    own order among ties is unspecified on CUDA. Without ties both pick the same tree."""
+    chosen node's parent. On CUDA one launch (a program per request) where the reference is ~30 kernels (the
+    parent index, top-(N-1), sort, scatter, gathers, a depth + 1 step ancestor closure). Ties (keys the penalty
+    cannot part: -inf scores of a small window's empty slots, or scores so large that fp32 drops it): torch.topk's
+    order among them is unspecified on CUDA; the kernel ranks equal keys by pool index, the lower first, and a
+    parent's key is never below its child's and its index lower, so there too every chosen node's parent is
+    chosen. Without ties both pick the same tree."""
     B, P = tok.shape
     depth = (P - k) // (k * k)
     c = _tree_constants(k, depth, N, tok.device)

@@ -248,7 +248,8 @@ def _tree_select_kernel(root_ptr, tok_ptr, score_ptr, best_ptr, pen_ptr, tree_of
         x = _pool_parent(x, best_row, P, K)
     anc = anc & nok[:, None] & (m[None, :] < N)
     tl.store(depth_out_ptr + b * N + n, tl.sum(anc.to(tl.int32), axis=1) - 1, mask=nok)
-    tl.store(anc_out_ptr + (b * N + n[:, None]) * N + m[None, :], anc.to(tl.uint8), mask=nok[:, None] & (m[None, :] < N))
+    tl.store(anc_out_ptr + (b * N + n[:, None]) * N + m[None, :], anc.to(tl.uint8),
+             mask=nok[:, None] & (m[None, :] < N))
 
 
 def tree_select(root, tok, score, best, penalty, k, N):
