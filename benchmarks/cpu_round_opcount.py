@@ -113,7 +113,7 @@ def batched(engine: str, method: str):
     d, v = rn.draft, rn.vocab
     for name in ("draft_trees", "verify", "accept", "physical"):
         labelled(R, name)
-    labelled(BT, "_select", "draft_trees._select")
+    labelled(BT, "tree_select", "draft_trees.tree_select")
     labelled(d, "hidden", "draft.hidden")
     labelled(rn.target, "forward", "target forward")
     labelled(rn.target, "logits", "target.logits")

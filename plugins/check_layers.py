@@ -117,6 +117,89 @@ def check_move(dev, dtype, g, L: int, KV: int, D: int, P: int) -> float:
     return 0.0 if torch.equal(k1, k2) and torch.equal(v1, v2) and not torch.equal(k1, k) else 1.0
 
 
+def check_tree_grow(dev, dtype, g, B: int, k: int, depth: int, d: int) -> float:
+    """tree_grow at every expansion step of a round: random path scores (continuous: no ties), tokens, draft hiddens
+    of `dtype` and ancestor rows. Error 0 or 1 (every output exactly the reference's)."""
+    S = depth * k
+    for i in range(depth - 1):
+        eye = torch.zeros(k, S, dtype=torch.bool)
+        eye[:, (i + 1) * k:(i + 2) * k] = torch.eye(k, dtype=torch.bool)
+        cur = -torch.rand(B, k, generator=g) * (i + 1) * 3
+        logp = -torch.rand(B, k, k, generator=g) * 6
+        ids = torch.randint(0, 50000, (B, k, k), generator=g)
+        h = torch.randn(B, k, d, generator=g).to(dtype)
+        anc = torch.rand(B, k, S, generator=g) < 0.3
+        args = [x.to(dev) for x in (cur, logp, ids, h, anc, eye)]
+        fast, ref = both(lambda: layers.tree_grow(*args))
+        if not all(torch.equal(a, b) for a, b in zip(fast, ref)):
+            return 1.0
+    return 0.0
+
+
+def tree_pool(g, B: int, k: int, depth: int, logp_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's pool scores [B, P] and expansion inputs (best) as draft_trees grows them (the reference's
+    tree_grow), each level's log-probabilities drawn by logp_of(shape)."""
+    S = depth * k
+    cur = logp_of((B, k))
+    scores, bests = [cur], []
+    anc, h = torch.zeros(B, k, S, dtype=torch.bool), torch.zeros(B, k, 1)
+    with layers.path(False):
+        for i in range(depth):
+            logp = logp_of((B, k, k))
+            if i + 1 == depth:
+                scores.append((cur[:, :, None] + logp).flatten(1))
+                break
+            ids = torch.zeros(B, k, k, dtype=torch.long)
+            score, best, _, cur, _, _ = layers.tree_grow(cur, logp, ids, h, anc, torch.zeros(k, S, dtype=torch.bool))
+            scores.append(score)
+            bests.append(best)
+    return torch.cat(scores, 1), torch.cat(bests, 1) if bests else None
+
+
+def check_tree_select(dev, g, B: int, k: int, depth: int, N: int) -> float:
+    """tree_select on a round's pool grown from random log-probabilities (continuous: no ties): exactly the
+    reference's tree. Then a pool full of ties (log-probabilities 0, -0.5, -1 and -inf: p = 1.0 children, and
+    -inf children tying their -inf parents, whom the depth penalty cannot set apart), where the kernel's tie order
+    may differ from torch.topk's: still a tree of the best N-1 keys whose every chosen node's parent is chosen
+    (parents precede children, ancestor rows and depths follow their parent's). Error 0 or 1."""
+    P = k + depth * k * k
+    root = torch.randint(0, 50000, (B,), generator=g).to(dev)
+    score, best = tree_pool(g, B, k, depth, lambda shape: -torch.rand(*shape, generator=g) * 6)
+    tok = torch.randint(0, 50000, (B, P), generator=g)
+    args = [x if x is None else x.to(dev) for x in (root, tok, score, best)]
+    fast, ref = both(lambda: layers.tree_select(*args, k, N))
+    if not all(torch.equal(a, b) for a, b in zip(fast, ref)):
+        return 1.0
+    def tied(shape):  # a head's top-k: its first id 0, -0.5 or -1, most others -inf (empty slots of a small window)
+        x = -0.5 * torch.randint(0, 3, shape, generator=g).float()
+        x[..., 1:] = x[..., 1:].masked_fill(torch.rand(*shape[:-1], shape[-1] - 1, generator=g) < 0.9, float("-inf"))
+        return x
+
+    score, best = tree_pool(g, B, k, depth, tied)
+    tok = torch.arange(P).expand(B, P)  # a node's token: its pool index
+    args = [x if x is None else x.to(dev) for x in (root, tok, score, best)]
+    fast, ref = both(lambda: layers.tree_select(*args, k, N))
+    penalty = layers._tree_constants(k, depth, N, dev)["penalty"]
+    key = (args[2] - penalty).cpu()
+    with layers.path(False):  # the whole pool as a tree (N = P + 1): tree index = pool index + 1, so its parents
+        pool_parent = layers.tree_select(*args, k, P + 1)[1].cpu()[:, 1:] - 1  # are the pool's (-1: the root)
+    (tokens, parent, deep, anc), (ref_tokens, *_) = [[x.cpu() for x in t] for t in (fast, ref)]
+    for b in range(B):
+        if not torch.equal(key[b, tokens[b, 1:]].sort().values, key[b, ref_tokens[b, 1:]].sort().values):
+            return 1.0  # not the best N-1 keys
+        if parent[b, 0] != 0 or deep[b, 0] != 0 or not torch.equal(anc[b, 0], torch.eye(N, dtype=torch.bool)[0]):
+            return 1.0
+        for n in range(1, N):
+            p = int(parent[b, n])
+            if (tokens[b, p] if p else -1) != pool_parent[b, tokens[b, n]]:
+                return 1.0  # the node's own parent not chosen (or another node's taken for it)
+            want = anc[b, p].clone()
+            want[n] = True
+            if not (p < n and deep[b, n] == deep[b, p] + 1 and torch.equal(anc[b, n], want)):
+                return 1.0
+    return 0.0
+
+
 def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | None) -> list[tuple[tuple, float]]:
     """Every skinny_configs candidate of this shape against the reference (act_mul, then F.linear)."""
     from .triton_layers import skinny_configs, skinny_linear
@@ -590,6 +673,14 @@ def cases(dev: str, big: bool, g):
         for L, KV, D, P in ([(28, 2, 128, 6), (3, 4, 64, 8)] if big else [(3, 2, 32, 6)]):
             yield (f"move_slots L={L} KV={KV} D={D} P={P} {str(dtype).removeprefix('torch.')}", 0.0,
                    lambda L=L, KV=KV, D=D, P=P, dtype=dtype: check_move(dev, dtype, g, L, KV, D, P))
+    # (B, k, depth, N): the GPU's tree, the CPU's, an odd small one, one of depth 1 (no expansion's inputs)
+    for B, k, depth, N in [(1, 10, 5, 60), (3, 10, 5, 60), (2, 4, 3, 12), (3, 3, 2, 7), (2, 4, 1, 10)]:
+        yield (f"tree_select B={B} k={k} depth={depth} N={N}", 0.0,
+               lambda B=B, k=k, depth=depth, N=N: check_tree_select(dev, g, B, k, depth, N))
+    for dtype in dtypes:
+        for B, k, depth, d in [(3, 10, 5, 1536 if big else 96), (2, 3, 3, 40)]:
+            yield (f"tree_grow B={B} k={k} depth={depth} d={d} {str(dtype).removeprefix('torch.')}", 0.0,
+                   lambda B=B, k=k, depth=depth, d=d, dtype=dtype: check_tree_grow(dev, dtype, g, B, k, depth, d))
     # (rows, vocabulary, k): the LM head's top-K_pre / K_ver / k_tree rows; a vocabulary that 128 does not divide
     tk = [(60, 151936, 10), (512, 151936, 3), (1, 151936, 3), (7, 100003, 3)] if big else \
          [(9, 12345, 3), (2, 20480, 10), (1, 3100, 3)]

@@ -10,6 +10,7 @@ into the next projection's skinny GEMM likewise only where that measured faster 
 MICROSPEC_PLUGINS=torch keeps the reference everywhere (A/B runs)."""
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import warnings
@@ -319,6 +320,88 @@ def grouped_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     vals = vals.masked_fill(ids.flatten(1) >= V, float("-inf"))  # the last group's ids past V
     top, at = vals.topk(k, -1)
     return top, ids.flatten(1).gather(1, at)
+
+
+# The tree kernels' sizes, past which the reference runs: tree_grow ranks the k x k children in one power-of-2
+# square tile (k = 10: 128 x 128); tree_select's one program a request holds its pool's ranks (a power-of-2 block
+# over the P = k + depth k k nodes, counted 32 at a time) and an N x N ancestor tile (the default tree: P = 510, N = 60)
+TREE_GROW_MAX = 256  # k * k
+TREE_POOL_MAX = 1024  # P
+TREE_NODES_MAX = 128  # N
+
+
+def tree_grow(cur_score: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, anc: torch.Tensor,
+              step_eye: torch.Tensor):
+    """One draft expansion's bookkeeping (speculative/batch_tree.py): the path scores of its k x k children [B, k * k],
+    and of them the top-k that the next step expands: their pool indices, tokens, scores, parents' draft hiddens
+    and ancestor rows (their parent's, plus their own bit). On CUDA one launch (a program per request) where the
+    reference is ~10 kernels, torch's top-k of the k x k scores alone several (5 x 7 us a round on the H200).
+    Ties: torch.topk's order among equal scores is unspecified (on CUDA); the kernel ranks them by child index, the
+    lower first. Either picks a valid tree (the target verifies whatever is drafted); without ties both agree."""
+    B, k = ids.shape[:2]
+    if fast(cur_score, logp, h) and k * k <= TREE_GROW_MAX:
+        from .triton_layers import tree_grow as kernel
+        return kernel(cur_score, logp, ids, h, anc, step_eye)
+    score = (cur_score[:, :, None] + logp).flatten(1)
+    best = score.topk(k, dim=1).indices
+    parent_row = best // k
+    feat = h.gather(1, parent_row[:, :, None].expand(B, k, h.shape[-1]))
+    anc = anc.gather(1, parent_row[:, :, None].expand(B, k, anc.shape[2])) | step_eye
+    return score, best, ids.flatten(1).gather(1, best), score.gather(1, best), feat, anc
+
+
+@functools.cache
+def _tree_constants(k: int, depth: int, N: int, dev: torch.device) -> dict:
+    """tree_select's index tensors for one tree shape, made once (a CUDA graph replays them without a kernel each)."""
+    pool = k + depth * k * k
+    level = torch.cat([torch.zeros(k, device=dev)] + [torch.full((k * k,), i + 1.0, device=dev) for i in range(depth)])
+    return dict(
+        first_idx=torch.arange(k, device=dev)[None],
+        # the pool offset of expansion i's k inputs (i >= 1; the i-th level's top-k), element by element
+        offsets=torch.tensor([k + i * k * k for i in range(depth - 1) for _ in range(k)], device=dev)[None],
+        # the first level's parent: the pool's sink index (tree index 0, the root)
+        root_parent=torch.full((1, k), pool, dtype=torch.long, device=dev),
+        penalty=1e-4 * level, tree_idx=torch.arange(1, N, device=dev)[None],
+        zero=torch.zeros(1, 1, dtype=torch.long, device=dev), eye_n=torch.eye(N, dtype=torch.bool, device=dev))
+
+
+def tree_select(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, best: torch.Tensor | None, k: int,
+                N: int):
+    """A round's pool -> its tree (speculative/tree.py's Tree fields: tokens, parent, depth [B, N], anc [B, N, N]).
+    The pool: every level's candidates' tokens and path scores [B, P], P = k + depth k k (the first level's k, then
+    each expansion's k x k children, k per input); best [B, (depth - 1) k]: the inputs of every expansion after
+    the first, as indices among the level before (tree_grow's; None at depth 1). Per request, the best N-1 pool
+    nodes by path score, kept in pool order (so parents precede children); a child never scores above its
+    parent, and the tiny depth penalty breaks exact ties (p = 1.0 in fp32) so the chosen set always holds each
+    chosen node's parent. On CUDA one launch (a program per request) where the reference is ~30 kernels (the
+    parent index, top-(N-1), sort, scatter, gathers, a depth + 1 step ancestor closure). Ties (keys the penalty
+    cannot part: -inf scores of a small window's empty slots, or scores so large that fp32 drops it): torch.topk's
+    order among them is unspecified on CUDA; the kernel ranks equal keys by pool index, the lower first, and a
+    parent's key is never below its child's and its index lower, so there too every chosen node's parent is
+    chosen. Without ties both pick the same tree."""
+    B, P = tok.shape
+    depth = (P - k) // (k * k)
+    c = _tree_constants(k, depth, N, tok.device)
+    if fast(tok, score) and P <= TREE_POOL_MAX and N <= TREE_NODES_MAX:
+        from .triton_layers import tree_select as kernel
+        return kernel(root, tok, score, best, c["penalty"], k, N)
+    # each node's parent (pool index): expansion i's k inputs -- the first level, then each level's top-k -- are the
+    # parents of its k x k children
+    inputs = c["first_idx"].expand(B, k)
+    if best is not None:
+        inputs = torch.cat([inputs, best + c["offsets"]], 1)
+    parent = torch.cat([c["root_parent"].expand(B, k), inputs[:, :, None].expand(B, inputs.shape[1], k).flatten(1)], 1)
+    dev = tok.device
+    chosen = (score - c["penalty"]).topk(N - 1, dim=1).indices.sort(dim=1).values
+    tree_of = torch.zeros(B, P + 1, dtype=torch.long, device=dev)  # pool index -> tree index; P: the root's sink
+    tree_of.scatter_(1, chosen, c["tree_idx"].expand(B, N - 1))
+    par = torch.cat([c["zero"].expand(B, 1), tree_of.gather(1, parent.gather(1, chosen))], 1)
+    eye = c["eye_n"]
+    anc = eye.expand(B, N, N)
+    for _ in range(depth + 1):
+        anc = eye | anc.gather(1, par[:, :, None].expand(B, N, N))
+    tokens = torch.cat([root[:, None], tok.gather(1, chosen)], 1)
+    return tokens, par, anc.sum(2) - 1, anc
 
 
 def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, act: str | None) -> dict:

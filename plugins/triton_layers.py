@@ -143,6 +143,135 @@ def move_slots(k_cache, v_cache, src, dst):
 
 
 @triton.jit
+def _tree_grow_kernel(cur_ptr, logp_ptr, ids_ptr, h_ptr, anc_ptr, eye_ptr, score_ptr, best_ptr, tok_ptr, top_ptr,
+                      feat_ptr, anc_out_ptr, d, S, K: tl.constexpr, KK_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+                      D_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr):
+    b = tl.program_id(0)  # one request
+    j = tl.arange(0, KK_BLOCK)  # its k x k children, parent row j // K
+    ok = j < K * K
+    # path scores added in fp32 and rounded to the scores' dtype, as torch adds
+    s = (tl.load(cur_ptr + b * K + j // K, mask=ok, other=0.0).to(tl.float32)
+         + tl.load(logp_ptr + b * K * K + j, mask=ok, other=0.0).to(tl.float32)).to(score_ptr.dtype.element_ty)
+    tl.store(score_ptr + b * K * K + j, s, mask=ok)
+    s = s.to(tl.float32)
+    # each child's rank: the children before it, by higher score, equal scores by lower index (a strict order:
+    # ranks 0 .. k k - 1, each once); the top-k are ranks 0 .. k - 1, largest first as torch.topk's
+    before = ((s[:, None] > s[None, :]) | ((s[:, None] == s[None, :]) & (j[:, None] < j[None, :]))) & ok[:, None]
+    rank = tl.sum(before.to(tl.int32), axis=0)
+    r = tl.arange(0, K_BLOCK)
+    rok = r < K
+    best = tl.sum(tl.where((rank[:, None] == r[None, :]) & ok[:, None], j[:, None], 0), axis=0)  # rank r's child
+    tl.store(best_ptr + b * K + r, best, mask=rok)
+    row = best // K
+    tl.store(tok_ptr + b * K + r, tl.load(ids_ptr + b * K * K + best, mask=rok), mask=rok)
+    top = (tl.load(cur_ptr + b * K + row, mask=rok).to(tl.float32)  # the same sum again: no read-back of s
+           + tl.load(logp_ptr + b * K * K + best, mask=rok).to(tl.float32)).to(top_ptr.dtype.element_ty)
+    tl.store(top_ptr + b * K + r, top, mask=rok)
+    for d0 in range(0, d, D_BLOCK):  # the parents' draft hiddens
+        cols = d0 + tl.arange(0, D_BLOCK)
+        m = rok[:, None] & (cols[None, :] < d)
+        x = tl.load(h_ptr + (b * K + row[:, None]) * d + cols[None, :], mask=m)
+        tl.store(feat_ptr + (b * K + r[:, None]) * d + cols[None, :], x, mask=m)
+    c = tl.arange(0, S_BLOCK)  # their ancestor rows | their own bit
+    m = rok[:, None] & (c[None, :] < S)
+    a = tl.load(anc_ptr + (b * K + row[:, None]) * S + c[None, :], mask=m, other=0) \
+        | tl.load(eye_ptr + r[:, None] * S + c[None, :], mask=m, other=0)
+    tl.store(anc_out_ptr + (b * K + r[:, None]) * S + c[None, :], a, mask=m)
+
+
+def tree_grow(cur_score, logp, ids, h, anc, step_eye):
+    """layers.tree_grow in one launch: a program per request ranks its k x k children in one tile."""
+    import torch
+
+    B, k = ids.shape[:2]
+    d, S = h.shape[-1], anc.shape[-1]
+    cur_score, logp, ids, h, anc, step_eye = (x.contiguous() for x in (cur_score, logp, ids, h, anc, step_eye))
+    dev, dtype = h.device, torch.result_type(cur_score, logp)
+    score, top = torch.empty(B, k * k, dtype=dtype, device=dev), torch.empty(B, k, dtype=dtype, device=dev)
+    best, tok = (torch.empty(B, k, dtype=t, device=dev) for t in (torch.long, ids.dtype))
+    feat, anc_out = h.new_empty(B, k, d), torch.empty_like(anc)
+    _tree_grow_kernel[(B,)](cur_score, logp, ids, h, anc.view(torch.uint8), step_eye.view(torch.uint8), score, best,
+                            tok, top, feat, anc_out.view(torch.uint8), d, S, K=k,
+                            KK_BLOCK=triton.next_power_of_2(k * k), K_BLOCK=triton.next_power_of_2(k),
+                            D_BLOCK=min(triton.next_power_of_2(d), 1024), S_BLOCK=triton.next_power_of_2(S),
+                            num_warps=4)
+    return score, best, tok, top, feat, anc_out
+
+
+@triton.jit
+def _pool_parent(x, best_row, P, K: tl.constexpr):
+    """Pool indices -> their parents' (tree_select's layout); the first level's and the sink P's: P."""
+    lvl = (x - K + K * K) // (K * K)  # 0: the first level; L >= 1: expansion L - 1's children (x >= K)
+    up = (x - K - (lvl - 1) * K * K) // K  # which of that expansion's k inputs
+    inp = tl.load(best_row + (lvl - 2) * K + up, mask=(lvl >= 2) & (x < P), other=0)
+    return tl.where((x < K) | (x >= P), P, tl.where(lvl == 1, up, K + (lvl - 2) * K * K + inp))
+
+
+@triton.jit
+def _tree_select_kernel(root_ptr, tok_ptr, score_ptr, best_ptr, pen_ptr, tree_of_ptr, pool_of_ptr, tok_out_ptr,
+                        par_out_ptr, depth_out_ptr, anc_out_ptr, P, best_stride, K: tl.constexpr, N: tl.constexpr,
+                        LEVELS: tl.constexpr, P_BLOCK: tl.constexpr, CHUNK: tl.constexpr, N_BLOCK: tl.constexpr):
+    b = tl.program_id(0)  # one request
+    j = tl.arange(0, P_BLOCK)  # its pool, and lane P: the sink (the root)
+    ok = j < P
+    key = tl.load(score_ptr + b * P + j, mask=ok, other=0.0).to(tl.float32) - tl.load(pen_ptr + j, mask=ok, other=0.0)
+    # each node's rank: the nodes before it by higher key, equal keys by lower pool index (a parent's key is >= its
+    # child's, so a parent always ranks first), counted CHUNK nodes at a time
+    rank = tl.zeros([P_BLOCK], dtype=tl.int32)
+    for i0 in range(0, P_BLOCK, CHUNK):
+        i = i0 + tl.arange(0, CHUNK)
+        iok = i < P
+        ki = tl.load(score_ptr + b * P + i, mask=iok, other=0.0).to(tl.float32) \
+            - tl.load(pen_ptr + i, mask=iok, other=0.0)
+        before = ((ki[:, None] > key[None, :]) | ((ki[:, None] == key[None, :]) & (i[:, None] < j[None, :])))
+        rank += tl.sum((before & iok[:, None]).to(tl.int32), axis=0)
+    chosen = ok & (rank < N - 1)
+    t = tl.cumsum(chosen.to(tl.int32), axis=0)  # a chosen node's tree index: 1 + the chosen before it in the pool
+    # pool index -> tree index (0: not chosen, and the sink) and tree index -> pool index, through memory: the
+    # ancestor walk below reads them at pool indices that other threads hold
+    tl.store(tree_of_ptr + b * (P + 1) + j, tl.where(chosen, t, 0), mask=j <= P)
+    tl.store(pool_of_ptr + b * N + t, j, mask=chosen)
+    tl.debug_barrier()
+    n = tl.arange(0, N_BLOCK)  # the tree's nodes
+    nok = n < N
+    node = tl.load(pool_of_ptr + b * N + n, mask=nok & (n > 0), other=P)  # the root: the sink
+    best_row = best_ptr + b * best_stride
+    tree_of = tree_of_ptr + b * (P + 1)
+    tok = tl.load(tok_ptr + b * P + node, mask=nok & (n > 0), other=0)
+    tl.store(tok_out_ptr + b * N + n, tl.where(n == 0, tl.load(root_ptr + b), tok), mask=nok)
+    x = _pool_parent(node, best_row, P, K)
+    tl.store(par_out_ptr + b * N + n, tl.load(tree_of + x, mask=nok, other=0), mask=nok)
+    m = tl.arange(0, N_BLOCK)
+    anc = n[:, None] == m[None, :]
+    for _ in tl.static_range(LEVELS):  # up the pool's parents to the sink (tree index 0, the root)
+        anc |= tl.load(tree_of + x, mask=nok, other=0)[:, None] == m[None, :]
+        x = _pool_parent(x, best_row, P, K)
+    anc = anc & nok[:, None] & (m[None, :] < N)
+    tl.store(depth_out_ptr + b * N + n, tl.sum(anc.to(tl.int32), axis=1) - 1, mask=nok)
+    tl.store(anc_out_ptr + (b * N + n[:, None]) * N + m[None, :], anc.to(tl.uint8),
+             mask=nok[:, None] & (m[None, :] < N))
+
+
+def tree_select(root, tok, score, best, penalty, k, N):
+    """layers.tree_select in one launch: a program per request ranks its pool and walks its chosen nodes' parents."""
+    import torch
+
+    B, P = tok.shape
+    dev = tok.device
+    tok, score = tok.contiguous(), score.contiguous()
+    best = tok if best is None else best.contiguous()  # (depth 1: no expansion's inputs are read)
+    tree_of = torch.empty(B, P + 1, dtype=torch.int32, device=dev)  # the kernel's scratch
+    pool_of = torch.empty(B, N, dtype=torch.int32, device=dev)
+    tokens, parent, depth = (torch.empty(B, N, dtype=torch.long, device=dev) for _ in range(3))
+    anc = torch.empty(B, N, N, dtype=torch.bool, device=dev)
+    _tree_select_kernel[(B,)](root, tok, score, best, penalty, tree_of, pool_of, tokens, parent, depth,
+                              anc.view(torch.uint8), P, best.stride(0), K=k, N=N, LEVELS=(P - k) // (k * k) + 1,
+                              P_BLOCK=triton.next_power_of_2(P + 1), CHUNK=32, N_BLOCK=triton.next_power_of_2(N),
+                              num_warps=8)
+    return tokens, parent, depth, anc
+
+
+@triton.jit
 def _act(g, GELU: tl.constexpr):
     """act(g) in float32: SiLU, or GELU's tanh approximation (tanh(z) = 2 sigmoid(2z) - 1)."""
     if GELU:

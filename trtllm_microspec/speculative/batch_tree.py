@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from plugins.layers import KV_BLOCK
+from plugins.layers import KV_BLOCK, tree_grow, tree_select
 
 from ..models.model import Span
 from .tree import Tree, TreeConfig, causal
@@ -25,27 +25,18 @@ def physical(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def _constants(cfg: TreeConfig, dev: torch.device) -> dict:
     """The index and mask tensors every round of this tree shape uses, made once (a CUDA graph replays them
     without a kernel each)."""
-    k, depth, N = cfg.top_k, cfg.depth, cfg.total_tokens
-    pool = k + depth * k * k
+    k, depth = cfg.top_k, cfg.depth
     anc0 = torch.zeros(k, cfg.draft_slots, dtype=torch.bool, device=dev)
     anc0[:, :k] = torch.eye(k, dtype=torch.bool, device=dev)
     # expansion i's new ancestor bits: its own k rows at draft slots (i + 1) k .. (i + 2) k
     step_eye = torch.zeros(max(depth - 1, 1), k, cfg.draft_slots, dtype=torch.bool, device=dev)
     for i in range(depth - 1):
         step_eye[i, :, (i + 1) * k:(i + 2) * k] = torch.eye(k, dtype=torch.bool, device=dev)
-    level = torch.cat([torch.zeros(k, device=dev)] + [torch.full((k * k,), i + 1.0, device=dev) for i in range(depth)])
     return dict(
         anc0=anc0, step_eye=step_eye,
-        first_idx=torch.arange(k, device=dev)[None],
-        # the pool offset of expansion i's k inputs (i >= 1; the i-th level's top-k), element by element
-        offsets=torch.tensor([k + i * k * k for i in range(depth - 1) for _ in range(k)], device=dev)[None],
-        # the first level's parent: the pool's sink index (tree index 0, the root)
-        root_parent=torch.full((1, k), pool, dtype=torch.long, device=dev),
         # draft-cache slot offset and position offset of every expansion step's k rows, [depth, 1, k]
         step_slots=torch.arange(depth * k, device=dev).view(depth, 1, k),
-        step_pos=torch.arange(depth, device=dev).view(depth, 1, 1).expand(depth, 1, k).contiguous(),
-        penalty=1e-4 * level, tree_idx=torch.arange(1, N, device=dev)[None],
-        zero=torch.zeros(1, 1, dtype=torch.long, device=dev), eye_n=torch.eye(N, dtype=torch.bool, device=dev))
+        step_pos=torch.arange(depth, device=dev).view(depth, 1, 1).expand(depth, 1, k).contiguous())
 
 
 @functools.cache
@@ -85,56 +76,13 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
             pool_tok.append(ids.flatten(1))
             pool_score.append((cur_score[:, :, None] + logp).flatten(1))
             break
-        score, best, cur_tok, cur_score, cur_feat, anc = _grow(cur_score, logp, ids, h, anc, c["step_eye"][i])
+        score, best, cur_tok, cur_score, cur_feat, anc = tree_grow(cur_score, logp, ids, h, anc, c["step_eye"][i])
         pool_tok.append(ids.flatten(1))
         pool_score.append(score)
         bests.append(best)
-    tokens, parent, depth, anc = _tree(root, pool_tok, pool_score, bests, cfg, c)
+    tokens, parent, depth, anc = tree_select(root, torch.cat(pool_tok, 1), torch.cat(pool_score, 1),
+                                             torch.cat(bests, 1) if bests else None, k, cfg.total_tokens)
     return Tree(tokens=tokens, parent=parent, depth=depth, anc=anc)
-
-
-def _grow(cur_score, logp, ids, h, anc, step_eye):
-    """One expansion's bookkeeping: the path scores of its k x k children [B, k * k], and of them the top-k that
-    the next step expands: their pool indices, tokens, scores, parents' draft hiddens and ancestor rows (their
-    parent's, plus their own bit)."""
-    B, k = ids.shape[:2]
-    score = (cur_score[:, :, None] + logp).flatten(1)
-    best = score.topk(k, dim=1).indices
-    parent_row = best // k
-    feat = h.gather(1, parent_row[:, :, None].expand(B, k, h.shape[-1]))
-    anc = anc.gather(1, parent_row[:, :, None].expand(B, k, anc.shape[2])) | step_eye
-    return score, best, ids.flatten(1).gather(1, best), score.gather(1, best), feat, anc
-
-
-def _tree(root, pool_tok, pool_score, bests, cfg: TreeConfig, c: dict):
-    """The pool (every level's candidates: tokens, path scores, and each node's parent, all at once: expansion i's
-    k inputs -- the first level, then each level's top-k -- are the parents of its k x k children) -> the tree
-    (_select)."""
-    B, k = root.shape[0], cfg.top_k
-    inputs = c["first_idx"].expand(B, k)
-    if bests:
-        inputs = torch.cat([inputs, torch.cat(bests, 1) + c["offsets"]], 1)
-    parent = torch.cat([c["root_parent"].expand(B, k), inputs[:, :, None].expand(B, inputs.shape[1], k).flatten(1)], 1)
-    return _select(torch.cat(pool_tok, 1), torch.cat(pool_score, 1), parent, root, cfg, c)
-
-
-def _select(tok, score, parent, root, cfg: TreeConfig, c: dict):
-    """Per request, the best total_tokens-1 pool nodes by path score, kept in pool order (so parents precede
-    children); a child never scores above its parent, and the tiny depth penalty breaks exact ties (p = 1.0 in
-    fp32) so the chosen set always holds each chosen node's parent. parent: pool index, the first level's the
-    sink P (the root). Returns the Tree's fields (tokens, parent, depth, anc)."""
-    dev, N = tok.device, cfg.total_tokens
-    B, P = tok.shape
-    chosen = (score - c["penalty"]).topk(N - 1, dim=1).indices.sort(dim=1).values
-    tree_of = torch.zeros(B, P + 1, dtype=torch.long, device=dev)  # pool index -> tree index; P: the root's sink
-    tree_of.scatter_(1, chosen, c["tree_idx"].expand(B, N - 1))
-    par = torch.cat([c["zero"].expand(B, 1), tree_of.gather(1, parent.gather(1, chosen))], 1)
-    eye = c["eye_n"]
-    anc = eye.expand(B, N, N)
-    for _ in range(cfg.depth + 1):
-        anc = eye | anc.gather(1, par[:, :, None].expand(B, N, N))
-    tokens = torch.cat([root[:, None], tok.gather(1, chosen)], 1)
-    return tokens, par, anc.sum(2) - 1, anc
 
 
 def verify(target, cache, tree: Tree, n, table, S: int):
