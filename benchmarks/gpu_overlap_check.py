@@ -1,6 +1,7 @@
-"""The overlapped scheduler on a GPU (issue 21): the same requests through the batched engine with overlap off and
-on, in fp32 (the tokens must be equal: every request gets its tokens alone either way) and timed (output tok/s of
-the whole batch, warm: each configuration runs the batch once to capture its graphs, then once measured).
+"""The overlapped scheduler on a GPU (issue 21), or with `--compare packed-graphs` AR's packed passes replayed
+from CUDA graphs (issue 36: engine/runner.py GRAPHED_ROWS): the same requests through the batched engine with it
+off and on, in fp32 (the tokens must be equal: every request gets its tokens alone either way) and timed (output
+tok/s of the whole batch, warm: each configuration runs the batch once to capture its graphs, then once measured).
 
 Requests: N prompts of random lengths (16 .. 1024 random ids) and budgets (32 .. 256 tokens), a quarter of them
 sampled with their own seeds, all submitted at once. Prints one line per configuration and whether the outputs match.
@@ -11,6 +12,7 @@ rounding (a gap of ~1e-4 or less) may flip a token in one run: that is not a sch
 as a clear gap, or in many requests, typically from their second token on.
 
     python benchmarks/gpu_overlap_check.py --engine qwen2.5-coder-1.5b [--requests 256] [--dtype float32]
+        [--compare overlap|packed-graphs]
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import time
 import torch
 
 from trtllm_microspec import LLM
+from trtllm_microspec.engine.runner import GRAPHED_ROWS
 from trtllm_microspec.models.model import Span
 from trtllm_microspec.speculative.sampling import GREEDY, SamplingParams
 from trtllm_microspec.speculative.tree import causal
@@ -74,22 +77,27 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32: the outputs must match; bfloat16: timing only "
                     "(a finished request leaves a step later with overlap, so batches differ and bf16 rounds "
                     "differently)")
+    ap.add_argument("--compare", choices=("overlap", "packed-graphs"), default="overlap",
+                    help="what is switched off and on: the overlapped step, or the graphs of packed passes")
     a = ap.parse_args()
     llm = LLM(a.engine, "ar", device=a.device, dtype=a.dtype, max_batch=a.max_batch)
     sched = llm.scheduler()
     ids, budgets, params = workload(a.requests, llm.target.cfg.vocab_size, a.longest, a.new_tokens)
     outs = {}
-    for overlap in (False, True):
-        sched.overlap = overlap  # one engine, one set of graphs: only the scheduling differs
+    for on in (False, True):  # one engine: only the scheduling, or the packed passes' graphs, differ
+        if a.compare == "overlap":
+            sched.overlap = on
+        else:
+            sched.runner.graph_rows = GRAPHED_ROWS if on else 0
         run(llm, ids, budgets, params)  # warm: every graph bucket captured
         out, wall, steps = run(llm, ids, budgets, params)
-        outs[overlap] = out
+        outs[on] = out
         tokens = sum(map(len, out))
-        print(f"overlap {'on ' if overlap else 'off'}: {tokens} tokens in {wall:.2f} s = {tokens / wall:,.0f} output "
+        print(f"{a.compare} {'on ' if on else 'off'}: {tokens} tokens in {wall:.2f} s = {tokens / wall:,.0f} output "
               f"tok/s, {steps} steps ({wall / steps * 1e3:.2f} ms a step)", flush=True)
     diff = [i for i, (x, y) in enumerate(zip(outs[False], outs[True])) if x != y]
-    print(f"outputs equal with overlap on and off: {not diff}" + (f" ({len(diff)} differ, first {diff[:8]})"
-                                                                      if diff else ""))
+    print(f"outputs equal with {a.compare} on and off: {not diff}" + (f" ({len(diff)} differ, first {diff[:8]})"
+                                                                        if diff else ""))
     for i in diff[:8]:
         x, y = outs[False][i], outs[True][i]
         j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))

@@ -550,9 +550,10 @@ def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[
                            S: int, window: int = 0) -> float | tuple[float, str]:
     """A step's rows as the batched engine packs them (layers.Spans): prompt chunks (committed length n, T rows)
     of their own lengths, then `decodes` requests of one row each, in one pool behind random block tables, keys
-    at most window - 1 positions back when window > 0. The Triton path, both the one launch of a causal Spans
-    (triton_layers.attention_varlen, what the runner's passes take) and the per-part loop of an unflagged one,
-    against a float64 attention of each request alone over its own keys."""
+    at most window - 1 positions back when window > 0. The Triton path, the one launch of a causal Spans
+    (triton_layers.attention_varlen, what the runner's passes take), the same in the layout of a graphed pass
+    (padding rows, the tile list padded with empty tiles) and the per-part loop of an unflagged one, against a
+    float64 attention of each request alone over its own keys."""
     from .layers import KV_BLOCK, Spans
 
     reqs = list(chunks) + [(int(torch.randint(0, S, (1,), generator=g)), 1) for _ in range(decodes)]
@@ -578,9 +579,30 @@ def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[
     q_pos = torch.cat([n + torch.arange(T) for n, T in reqs]).to(dev)
     scale = D ** -0.5
     one = Spans(parts, causal=True)
+    # the layout of a pass that a CUDA graph replays (engine/runner.py, pack(pad=...)): padding rows as one more
+    # chunk after the others (its keys: any blocks, 0 committed), the tile list in one int64 buffer padded with empty
+    # tiles of an empty sequence, the tile height fixed, every sequence's table row and length in buffers
+    G, P, pad = H // KV, sum(T for _, T in chunks), 5
+    padded = parts[:len(chunks)] + [Span(torch.zeros(1, dtype=torch.long, device=dev), tri[None, :pad, :pad], pad,
+                                         table[:1])] + parts[len(chunks):]
+    seqs, tiles = layers.varlen_layout([(1, T) for _, T in chunks] + [(1, pad), (decodes, 1)], G, 64)
+    NS = len(seqs) + 2
+    NT = -(-(rows + pad) * G // 64) + NS
+    seqs += [(0, 0)] * (NS - len(seqs))
+    tiles += [(NS - 1, 0)] * (NT - len(tiles))
+    seq_n = [n for n, _ in chunks] + [0] + [n for n, _ in reqs[len(chunks):]]
+    seq_n = torch.tensor(seq_n + [0] * (NS - len(seq_n)), device=dev)
+    seq_rows = list(range(len(chunks))) + [0] + list(range(len(chunks), len(reqs)))
+    seq_table = table[torch.tensor(seq_rows + [0] * (NS - len(seq_rows)), device=dev)]
+    graph = Spans(padded, causal=True, block_m=64)
+    graph._varlen[(G, 64)] = (torch.tensor(tiles, device=dev), torch.tensor(seqs, device=dev), seq_n, seq_table)
+    q_graph = torch.cat([q[:P], torch.randn(pad, H, D, generator=g).to(dev, dtype), q[P:]])
+    pos_graph = torch.cat([q_pos[:P], torch.arange(pad, device=dev), q_pos[P:]])
     with layers.path(True):
         got = layers.attention(q, k, v, one, q_pos, k_pos, window, scale)
         loop = layers.attention(q, k, v, Spans(parts), q_pos, k_pos, window, scale)
+        by_graph = layers.attention(q_graph, k, v, graph, pos_graph, k_pos, window, scale)
+    by_graph = torch.cat([by_graph[:P], by_graph[P + pad:]])
     if not one._varlen:
         return float("inf"), "the causal Spans did not run attention_varlen"
     refs, r0 = [], 0
@@ -595,7 +617,7 @@ def check_packed_attention(dev, dtype, g, H: int, KV: int, D: int, chunks: list[
             scale=scale, enable_gqa=True).transpose(0, 1))
         r0 += T
     ref = torch.cat(refs)
-    return max(rel(got, ref), rel(loop, ref))
+    return max(rel(got, ref), rel(loop, ref), rel(by_graph, ref))
 
 
 def fix_interpreter() -> None:

@@ -134,7 +134,10 @@ class Spans:
     # of it each of the pass's rows reads, so `physical` is one gather for every part instead of ~6 ops a part
     table: torch.Tensor | None = None
     row_table: torch.Tensor | None = None  # [rows] long
-    _varlen: dict = field(default_factory=dict, repr=False)  # attention_varlen's tiles and metadata, per pass
+    # attention_varlen's tile height, fixed by a caller whose pass a CUDA graph replays (else planned from the longest
+    # part), and its tiles and metadata, per pass: such a caller puts its own (device buffers that the graph reads)
+    block_m: int | None = None
+    _varlen: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         # the shapes are what can be checked without reading the device; the triangle is the builder's word
@@ -144,10 +147,26 @@ class Spans:
     def rows(self) -> list[int]:
         return [p.B * p.new.shape[1] for p in self.parts]
 
+    def layout(self, G: int, block_m: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return varlen_layout([p.new.shape[:2] for p in self.parts], G, block_m)
+
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         if self.row_table is not None:
             return self.table[self.row_table, slots // KV_BLOCK] * KV_BLOCK + slots % KV_BLOCK
         return torch.cat([p.physical(s) for p, s in zip(self.parts, slots.split(self.rows))])
+
+
+def varlen_layout(parts: list[tuple[int, int]], G: int, block_m: int):
+    """attention_varlen's work list, on the host, for causal parts of (B requests, T rows each): each sequence (a
+    chunk, or one decode row) as (first row in the pass, rows T), and the tiles (sequence, row block of block_m
+    (token, head) rows of G heads a token), a sequence's last row blocks first (they read the most keys: the grid's
+    last wave is short tiles)."""
+    seqs, row = [], 0
+    for B, T in parts:
+        seqs += [(r, T) for r in range(row, row + B * T, T)]
+        row += B * T
+    tiles = [(s, blk) for s, (_, T) in enumerate(seqs) for blk in reversed(range(-(-T * G // block_m)))]
+    return seqs, tiles
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:

@@ -526,20 +526,12 @@ def varlen_tiles(spans, G: int, block_m: int):
             table = torch.cat([torch.nn.functional.pad(p.block_table, (0, width - p.block_table.shape[1]))
                                for p in spans.parts])
             spans._varlen["seqs"] = (torch.cat([p.n for p in spans.parts]), table)
-        starts, lens = [], []
-        row = 0
-        for p in spans.parts:
-            B, T = p.new.shape[:2]
-            starts += range(row, row + B * T, T)
-            lens += [T] * B
-            row += B * T
-        # a sequence's last row blocks read the most keys: they go first, so the grid's last wave is short tiles
-        tiles = [(s, blk) for s, T in enumerate(lens) for blk in reversed(range(triton.cdiv(T * G, block_m)))]
-        host = torch.tensor([*zip(starts, lens), *tiles], dtype=torch.int32)
+        seqs, tiles = spans.layout(G, block_m)
+        host = torch.tensor([*seqs, *tiles], dtype=torch.int32)
         n, table = spans._varlen["seqs"]
         if n.is_cuda:
             host = host.pin_memory().to(n.device, non_blocking=True)
-        spans._varlen[key] = (host[len(lens):], host[:len(lens)], n, table)
+        spans._varlen[key] = (host[len(seqs):], host[:len(seqs)], n, table)
     return spans._varlen[key]
 
 
@@ -554,6 +546,7 @@ def attention_varlen(q, k_cache, v_cache, spans, q_pos, k_pos, window, scale):
     G = H // KV
     assert R == sum(spans.rows) and q.is_contiguous() and k_cache.stride(-1) == 1 and k_pos.stride(0) == 1
     block_m, block_n = varlen_plan(max(p.new.shape[1] for p in spans.parts) * G, D)
+    block_m = spans.block_m or block_m
     tiles, seqs, n, table = varlen_tiles(spans, G, block_m)
     assert table.stride(1) == 1 and n.stride(0) == 1
     o = torch.empty_like(q)

@@ -33,12 +33,16 @@ def alone(ar):
     return out
 
 
-def test_ar_batch_equals_alone(ar, alone, monkeypatch):
+@pytest.mark.parametrize("graphed", [False, True])
+def test_ar_batch_equals_alone(ar, alone, monkeypatch, graphed):
     """4 requests over 3 batch slots, one cancelled after 3 tokens: the last joins the running batch then. A
     budget of 24 tokens a step splits the prompts into chunks, and one pass runs the chunks of several requests
-    (packed, no padding rows) beside the decode rows of the others."""
+    (packed) beside the decode rows of the others: no padding rows, or (graphed) as a CUDA graph replays it, padded
+    to its rows bucket, every index in the bucket's buffer."""
     sched = ar.scheduler()
     monkeypatch.setattr(sched.runner, "max_num_tokens", 24)
+    monkeypatch.setattr(sched.runner, "graph_rows", 24 if graphed else 0)
+    monkeypatch.setattr(sched.runner, "static", {})
     passes, real_pass = [], sched.runner._pass  # (each step's pass, overlapped or not)
     monkeypatch.setattr(sched.runner, "_pass", lambda chunks, decodes: passes.append(
         ([c for _, c in chunks], len(decodes))) or real_pass(chunks, decodes))
@@ -65,6 +69,7 @@ def test_ar_batch_equals_alone(ar, alone, monkeypatch):
     assert max(sum(c) + d for c, d in passes) == 24, passes
     assert any(len(set(c)) > 1 for c, _ in passes)  # chunks of different lengths in one pass
     assert any(c and d for c, d in passes)  # prompt chunks and decode rows in one pass
+    assert all(Mb == 128 for Mb, _ in sched.runner.static) and bool(sched.runner.static) == graphed
 
 
 def test_generate_list(ar, alone):

@@ -8,9 +8,10 @@ of each row) are copied from the host into one persistent buffer, so the step it
 is captured in a graph per (batch-size bucket, span bucket, sampling mode) and replayed. Rows past the real batch
 (up to the batch-size bucket, on every device, so the CPU tests run what the graphs capture) are padding: a greedy
 request of length 0 in the padding slot, whose table points at the pool's block 0 (never handed out). A step with
-prompt chunks runs eagerly: its rows are packed (no padding; `pack`, shared by AR and the speculative runner),
-each chunk attends as its own Span, the decode rows as one (plugins/layers.py Spans; on CUDA one attention launch
-a layer for all of them).
+prompt chunks packs its rows (`pack`, shared by AR and the speculative runner): each chunk attends as its own Span,
+the decode rows as one (plugins/layers.py Spans; on CUDA one attention launch a layer for all of them). AR's packed
+passes of up to GRAPHED_ROWS rows are padded to a rows bucket and, on CUDA, replayed through a graph per bucket
+(on every device padded alike); larger ones, and the speculative runner's, run eagerly with no padding rows.
 
 Sampling: each batch slot is a row of one Sampler (speculative/sampling.py), set when a request joins, with the key of
 its seed; the uniform of a token is a hash of that key and the token's position, computed inside the step, so a
@@ -22,12 +23,13 @@ from __future__ import annotations
 import array
 import heapq
 import itertools
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from plugins.layers import KV_BLOCK
+from plugins.layers import KV_BLOCK, varlen_layout
 
 from .. import parallel
 from ..models.model import KVCache, ModelConfig, Span, Spans, Transformer
@@ -45,6 +47,13 @@ DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / G
 # 8k-16k); on the CPU a smaller pass keeps the running requests' inter-token latency bounded
 DEFAULT_MAX_NUM_TOKENS = {"cuda": 8192, "cpu": 1024}
 PREFILL_CHUNK = 512  # prompt rows per LM-head call when collecting top-K_pre (never [L x V] at once)
+# AR's packed passes of up to GRAPHED_ROWS rows replay a CUDA graph per rows bucket (multiples of PACKED_BUCKET):
+# under continuous joins most steps carry a small prompt chunk beside the decode rows, and eagerly such a step launched
+# ~300 kernels (on the H200 at c = 64, 119 of 512 steps at ~16 ms each, where their ~600 rows' work is ~4 ms). Larger
+# passes are bound by their GEMMs and stay eager. MICROSPEC_PACKED_GRAPHS=0: every packed pass eager (A/B runs)
+GRAPHED_ROWS = 2048
+PACKED_BUCKET = 128
+GRAPH_BLOCK_M = 64  # a graphed pass's attention tile height (triton_layers.varlen_plan's for long sequences)
 # SpecRunner: plain steps a request may run before its draft catches up (its lag buffer's rows). A round's catch-up
 # pass is padded to LAG rows a request, so a round has two variants (graphs), with and without one: with a bucket per
 # lag (1, 2, 4, .. LAG), the `auto` policy's mix of shapes meets a new graph (an eager run, then a capture) far more
@@ -156,6 +165,12 @@ class BatchRunner:
         self.sampler = Sampler(target.argmax, dev, max_batch + 1)  # a row per batch slot and the padding slot (greedy)
         self.graphs = GraphRunner() if cuda_graphs else None
         self.tri = causal(1, dev)  # the causal mask of the longest chunk so far: a chunk's mask is a view of it
+        # packed passes of at most graph_rows rows run padded to their bucket (`_pass`; 0: none), their inputs in one
+        # buffer per (rows bucket, sampled rows bucket) that its graph reads, their tokens into one beside it
+        packed = cuda_graphs and os.environ.get("MICROSPEC_PACKED_GRAPHS", "1") != "0"
+        self.graph_rows = min(GRAPHED_ROWS, self.max_num_tokens) if packed else 0
+        self.static: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.G = c.num_heads // c.num_kv_heads
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
         check_request(prompt, max_new_tokens, self.target.cfg.max_seq_len, self.target.cfg.vocab_size, self.reserve)
@@ -217,55 +232,115 @@ class BatchRunner:
             S, mode = self.prepare(decodes, Bb)
             self.launch((Bb, S, mode), lambda: self._decode(Bb, S, mode))
             return self.next[:len(decodes)]
+        rows = sum(c for _, c in chunks) + len(decodes)
+        if rows <= self.graph_rows:  # padded to its bucket, through the bucket's graph (GRAPHED_ROWS)
+            R = sum(req.prefilled + c == req.seq_len for req, c in chunks) + len(decodes)
+            pad = (-(-rows // PACKED_BUCKET) * PACKED_BUCKET, batch_bucket(R, self.max_batch))
+            p = self.pack(chunks, decodes, pad=pad)
+            mode = self.sampler.mode(p.sample)
+            out = self.static[pad][1]
+            self.launch(("packed", *pad, mode), lambda: out.copy_(self._sample(p, mode)))
+            return out[:R]
         p = self.pack(chunks, decodes)
-        h = self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
         if not p.sample:
+            self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
             return p.rows  # (empty: no row sampled)
-        tok = self.sampler.choose(self.target.logits(h[p.rows]), p.slot, p.at, self.sampler.mode(p.sample))
+        return self._sample(p, self.sampler.mode(p.sample))
+
+    def _sample(self, p: Packed, mode: str) -> torch.Tensor:
+        """The target's pass over a packed step's rows and a token for each sampled row (into last_dev too)."""
+        h = self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
+        tok = self.sampler.choose(self.target.logits(h[p.rows]), p.slot, p.at, mode)
         self.last_dev.index_copy_(0, p.slot, tok)
         return tok
 
-    def pack(self, chunks: list[tuple], decodes: list, extra: list[torch.Tensor] = ()) -> Packed:
+    def pack(self, chunks: list[tuple], decodes: list, extra: list[torch.Tensor] = (),
+             pad: tuple[int, int] | None = None) -> Packed:
         """The inputs of one packed pass (AR's step, SpecRunner's prompt pass): each chunk's rows, then one row per
-        decode, no padding rows; each chunk attends as its own Span, the decode rows as one. Every index goes to
-        the device in one host -> device copy, with the `extra` host tensors (the draft's next tokens)."""
-        dev, B, D = self.device, len(chunks), len(decodes)
+        decode; each chunk attends as its own Span, the decode rows as one. Every index goes to the device in one
+        host -> device copy, with the `extra` host tensors (the draft's next tokens).
+        pad (rows Mb, sampled rows Rb): a pass that a CUDA graph replays (`_pass`). Its rows are padded to Mb by one
+        more chunk, at the padding slot from position 0 (its table row is block 0's, never handed out: its KV
+        writes land there, and no other row reads them), its sampled rows to Rb (rows of that chunk, sampled into the
+        padding slot), and every index it reads lies in one buffer per (Mb, Rb), attention's tile list too (padded
+        with empty tiles of an empty sequence, which return at once), so that the graph reads this step's."""
+        dev, D = self.device, len(decodes)
         lens = [c for _, c in chunks]
         starts = [req.prefilled for req, _ in chunks]
+        slots = [req.slot for req, _ in chunks]
         ids = []
         for req, c in chunks:
             ids += req.chunk(c)
+        ends = [b for b, (req, c) in enumerate(chunks) if req.prefilled + c == req.seq_len]  # prompt done: a token
+        if pad and pad[0] > len(ids) + D:
+            lens.append(pad[0] - len(ids) - D)
+            starts.append(0)
+            slots.append(self.pad)
+            ids += [0] * lens[-1]
+        B = len(lens)
         ids += [r.last for r in decodes]
         P = len(ids) - D  # prompt rows
         offsets = list(itertools.accumulate(lens, initial=0))  # each chunk's first row
-        ends = [b for b, (req, c) in enumerate(chunks) if req.prefilled + c == req.seq_len]  # prompt done: a token
         rows = [offsets[b] + lens[b] - 1 for b in ends] + list(range(P, P + D))
         sample = [chunks[b][0].slot for b in ends] + [r.slot for r in decodes]
         # the position of each sampled token: after its prompt, or after its request's last token
         at = [starts[b] + lens[b] for b in ends] + [r.n + 1 for r in decodes]
         R = len(rows)
-        meta = longs(lens + [starts[b] - offsets[b] for b in range(B)] + [req.slot for req, _ in chunks] +
-                     [r.n for r in decodes] + sample[len(ends):] + starts + rows + sample + at)
-        lens_t, shift, chunk_slot, n_dec, dec_slot, tail = meta.split([B, B, B, D, D, B + 3 * R])
         # each row's logical slot (its position) and its batch slot (its row of the block table): the chunks'
         # rows, then the decodes'
-        host = [longs(ids), torch.arange(P) + shift.repeat_interleave(lens_t), n_dec,
-                chunk_slot.repeat_interleave(lens_t), dec_slot, tail, *extra]
-        tokens, pos, row_table, n_chunk, rows_d, slot_d, at_d, *extra_d = \
-            upload(torch.cat(host), dev).split([P + D, P + D, P + D, B, R, R, R, *(x.numel() for x in extra)])
+        lens_t = longs(lens)
+        pos = [torch.arange(P) + longs([starts[b] - offsets[b] for b in range(B)]).repeat_interleave(lens_t),
+               longs([r.n for r in decodes])]
+        row_table = [longs(slots).repeat_interleave(lens_t), longs([r.slot for r in decodes])]
+        if pad is None:
+            host = [longs(ids), *pos, *row_table, longs(starts + rows + sample + at), *extra]
+            tokens, pos, row_table, n_chunk, rows_d, slot_d, at_d, *extra_d = upload(torch.cat(host), dev).split(
+                [P + D, P + D, P + D, B, R, R, R, *(x.numel() for x in extra)])
+            n_dec, table_dec = pos[P:], None
+        else:
+            Mb, Rb = pad
+            NS = self.max_batch + 2  # sequences: a step's requests (a chunk or a decode each), the padding's, an empty one
+            NT = -(-Mb * self.G // GRAPH_BLOCK_M) + NS  # tiles: at most one partial row block a sequence
+            seqs, tiles = varlen_layout([(1, c) for c in lens] + [(D, 1)], self.G, GRAPH_BLOCK_M)
+            none = NS - 1  # the empty sequence: (row 0, 0 rows), 0 committed slots
+            seq_n = starts + [r.n for r in decodes]
+            seq_slot = slots + [r.slot for r in decodes]
+            seq_n += [0] * (NS - len(seq_n))
+            seq_slot += [self.pad] * (NS - len(seq_slot))
+            seqs += [(0, 0)] * (NS - len(seqs))
+            tiles += [(none, 0)] * (NT - len(tiles))
+            more = Rb - R  # sampled rows past R: the padding chunk's last row, into the padding slot
+            host = [longs(ids), *pos, *row_table, longs(rows + [P - 1] * more + sample + [self.pad] * more + at +
+                                                        [0] * more + seq_n + seq_slot), longs([x for st in seqs for x in st]),
+                    longs([x for t in tiles for x in t])]
+            if pad not in self.static:
+                width = self.table.shape[1]
+                self.static[pad] = (torch.zeros(3 * Mb + 3 * Rb + 4 * NS + 2 * NT, dtype=torch.long, device=dev),
+                                    torch.zeros(Rb, dtype=torch.long, device=dev),
+                                    torch.zeros(NS, width, dtype=torch.long, device=dev))
+            buf, _, table_seq = self.static[pad]
+            host = torch.cat(host)
+            buf.copy_(host.pin_memory() if dev.type == "cuda" else host, non_blocking=True)  # (as `upload`)
+            tokens, pos, row_table, rows_d, slot_d, at_d, seq_n_d, seq_slot_d, seqs_d, tiles_d = buf.split(
+                [Mb, Mb, Mb, Rb, Rb, Rb, NS, NS, 2 * NS, 2 * NT])
+            torch.index_select(self.table, 0, seq_slot_d, out=table_seq)
+            n_chunk, n_dec, table_dec, extra_d = seq_n_d, seq_n_d[B:B + D], table_seq[B:B + D], []
         if decodes and min(ids[P:]) < 0:  # overlap: a decode whose last (-1) the step in flight samples reads it
             tokens[P:] = torch.where(tokens[P:] >= 0, tokens[P:], self.last_dev.index_select(0, row_table[P:]))
         if max(lens) > self.tri.shape[0]:
             self.tri = causal(1 << (max(lens) - 1).bit_length(), dev)
-        parts = [Span(n_chunk[b:b + 1], self.tri[None, :c, :c], starts[b] + c, self.table[req.slot:req.slot + 1])
-                 for b, (req, c) in enumerate(chunks)]
+        parts = [Span(n_chunk[b:b + 1], self.tri[None, :c, :c], starts[b] + c, self.table[slots[b]:slots[b] + 1])
+                 for b, c in enumerate(lens)]
         if decodes:
-            parts.append(Span(pos[P:], self.one.expand(D, 1, 1), max(r.n for r in decodes) + 1,
-                              self.table.index_select(0, row_table[P:])))
+            parts.append(Span(n_dec, self.one.expand(D, 1, 1), max(r.n for r in decodes) + 1,
+                              self.table.index_select(0, row_table[P:]) if table_dec is None else table_dec))
         # causal: each part's mask is its rows' triangle (a chunk's, a decode's 1 x 1), so on CUDA attention runs
         # all parts in one launch a layer; the rows' table rows make their physical slots one gather
-        return Packed(tokens, pos, Spans(parts, causal=True, table=self.table, row_table=row_table), rows_d, slot_d,
-                      at_d, sample, ends, extra_d)
+        spans = Spans(parts, causal=True, table=self.table, row_table=row_table)
+        if pad:  # attention's tile list, the graph's: in the step's buffer
+            spans.block_m = GRAPH_BLOCK_M
+            spans._varlen[(self.G, GRAPH_BLOCK_M)] = (tiles_d.view(-1, 2), seqs_d.view(-1, 2), seq_n_d, table_seq)
+        return Packed(tokens, pos, spans, rows_d, slot_d, at_d, sample, ends, extra_d)
 
     def advance(self, chunks: list[tuple], decodes: list, toks: list[int]):
         """The host side after a packed pass: each request past its chunk, the first token of each whose prompt is
