@@ -459,10 +459,10 @@ class SpecRunner(BatchRunner):
         for req, c in chunks:
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
             nxt += after + [0] * (c - len(after))
-        # the prompt lengths and prefilled rows of the windows that start in this pass go to the device with the
-        # pass's inputs (a copy after the target's launches would wait for them to run)
-        done = [req for req, c in chunks if req.prefilled + c == req.seq_len] if self.window_pre else []
-        lens = [len(req.prompt) for req in done] + [req.seq_len for req in done]
+        # the prompt lengths of the windows that start in this pass go to the device with the pass's inputs (a copy
+        # after the target's launches would wait for them to run); a speculative request takes its blocks when it
+        # joins, is never preempted, so its prefilled rows are its prompt's
+        lens = [len(req.prompt) for req, c in chunks if req.prefilled + c == req.seq_len] if self.window_pre else []
         p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)), longs(lens)])
         h = t(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
         feat = d.features(h)  # the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
@@ -479,8 +479,7 @@ class SpecRunner(BatchRunner):
             ver = t.topk(logits, self.k_ver)
             if p.ends:  # the windows of every prompt this pass completes start together
                 n = len(p.ends)
-                prompt, topk = self.prompts(p.slot[:n], p.extra[1], max(lens[:n]), max(lens[n:])) \
-                    if self.window_pre else (None, None)
+                prompt, topk = self.prompts(p.slot[:n], p.extra[1], max(lens)) if self.window_pre else (None, None)
                 self.vocab.start(p.slot[:n], prompt, topk, None if self.vocab.use_prompt else ver[:n])
                 self.vocab.join()  # their packed rows' gather done before the copy stream takes another
             if decodes:  # after the chunks' part (Scheduler._run reruns the decodes alone if that fails)
@@ -493,16 +492,15 @@ class SpecRunner(BatchRunner):
             self.count_step(r.stats, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
-    def prompts(self, slots: torch.Tensor, lens: torch.Tensor, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts [B, L] and top-K_pre ids [B, S * k_pre] (-1 padded) of the requests in batch slots `slots`,
-        read from the pool slots of their rows (prompt_rows). lens: each one's prompt length, then its prefilled
-        rows (after a preemption its emitted tokens' rows too, whose top-K_pre joins as the prompt's); L, S: their
-        longest."""
+    def prompts(self, slots: torch.Tensor, lens: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts [B, L] and their rows' top-K_pre ids [B, L * k_pre], -1 padded, of the requests in batch
+        slots `slots` (prompt lengths `lens`, L the longest), read from the pool slots of their rows (prompt_rows):
+        a few ops for the whole batch, whatever the passes that wrote each row."""
         B = slots.numel()
-        cols = torch.arange(S, device=self.device)
-        rows = self.prompt_rows[physical(self.table.index_select(0, slots), cols.expand(B, S))]  # [B, S, 1 + k_pre]
-        prompt = torch.where(cols[:L] < lens[:B, None], rows[:, :L, 0], -1)
-        return prompt, torch.where((cols < lens[B:, None])[..., None], rows[..., 1:], -1).flatten(1)
+        cols = torch.arange(L, device=self.device)
+        rows = self.prompt_rows[physical(self.table.index_select(0, slots), cols.expand(B, L))]  # [B, L, 1 + k_pre]
+        rows = torch.where((cols < lens[:, None])[..., None], rows, -1)  # past a prompt: another's rows, or none
+        return rows[..., 0], rows[..., 1:].flatten(1)
 
     def plan(self, reqs: list) -> int:
         """The policy's shape for this step's decoding requests; returns the target rows each of them adds."""
