@@ -52,6 +52,11 @@ def stream_ids(g: torch.Generator, V: int, n: int, pad: float) -> torch.Tensor:
     return torch.where(torch.rand(n, generator=g) < pad, -1, ids)
 
 
+def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of different lengths -> [B, n], -1 padded (BatchWindow.start's input)."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+
+
 def exact_inputs(g: torch.Generator, *shape, dtype=torch.bfloat16) -> torch.Tensor:
     """Multiples of 1/8 in [-1/2, 1/2]: every GEMM over them is exact in fp32, whatever the summation order."""
     return (torch.randint(-4, 5, shape, generator=g).float() / 8).to(dtype)
@@ -320,12 +325,16 @@ def check_batch_window() -> str:
     joins = {0: [5, 0, 3], 7: [1, 6], 15: [0]}  # round -> slots whose request joins then (0 again at 15)
     running, rounds = [], 30
     for r in range(rounds):
-        for slot in joins.get(r, []):
-            prompt, topk = stream_ids(g, V, 300 + 500 * slot, 0.0), stream_ids(g, V, 3 * (300 + 500 * slot), 0.0)
-            cpu.start(slot, prompt, topk)
-            gpu.start(slot, prompt.to(DEV), topk.to(DEV))
+        if r in joins:  # the round's joins start in one call, as the runner's prompt pass starts them
+            prompts, topks = [], []
+            for slot in joins[r]:
+                prompts.append(stream_ids(g, V, 300 + 500 * slot, 0.0))
+                topks.append(stream_ids(g, V, 3 * (300 + 500 * slot), 0.0))
+            new, prompts, topks = torch.tensor(joins[r]), padded(prompts), padded(topks)
+            cpu.start(new, prompts, topks)
+            gpu.start(new.to(DEV), prompts.to(DEV), topks.to(DEV))
             gpu.join()  # as the runner's prefill does: the gather's inputs live until the copy stream is done
-            running = sorted(set(running) | {slot})
+            running = sorted(set(running) | set(joins[r]))
         batch = torch.tensor(running)
         tree, ver = stream_ids(g, V, 59 * len(running), 0.0), stream_ids(g, V, 18 * len(running), 0.5)
         cpu.update(batch, tree.view(len(running), 59), ver.view(len(running), 18))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plugins import ops
-from plugins.check import exact_inputs, stream_ids
+from plugins.check import exact_inputs, padded, stream_ids
 from trtllm_microspec.vocab.batched import BatchWindow
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.vocab.strategies import Fill, StaticVocab, Window, fill_ranking
@@ -157,14 +157,17 @@ def test_batch_window_equals_independent_windows(method):
     refs = {}
     for rnd in range(12):
         if rnd in (0, 5, 11):  # requests join (slot 2 twice: its window restarts from nothing of the last request)
-            for slot in {0: (3, 1, 2), 5: (2,), 11: (0,)}[rnd]:
+            joins = {0: (3, 1, 2), 5: (2,), 11: (0,)}[rnd]
+            prompts, topks, firsts = [], [], []
+            for slot in joins:
                 refs[slot] = WindowVocab(method, head, W, PINNED, ranked)
                 assert (refs[slot].fill is not None) == fill
                 refs[slot].reset()
-                prompt, topk = stream_ids(g, V, 5 + 7 * slot, 0.0), stream_ids(g, V, 10, 0.2)
-                first = torch.randperm(V, generator=g)[:3]  # the target's top-K_ver after the prompt (ext-only)
-                bw.start(slot, prompt, topk, first)
-                refs[slot].start(prompt, topk, first)
+                prompts.append(stream_ids(g, V, 5 + 7 * slot, 0.0))
+                topks.append(stream_ids(g, V, 10, 0.2))
+                firsts.append(torch.randperm(V, generator=g)[:3])  # the target's top-K_ver after the prompt (ext-only)
+                refs[slot].start(prompts[-1], topks[-1], firsts[-1])
+            bw.start(torch.tensor(joins), padded(prompts), padded(topks), torch.stack(firsts))  # all in one call
         batch = torch.tensor(list(refs))
         tree = torch.stack([stream_ids(g, V, 9, 0.1) for _ in refs])  # rows of padding-only appear by chance
         ver = torch.stack([stream_ids(g, V, 6 if rnd != 3 else 0, 0.3) for _ in refs])
@@ -199,8 +202,7 @@ def test_windows_never_mix():
     bw = BatchWindow(head, W, PINNED, 3)
     batch = torch.tensor([2, 0])
     low, high = torch.arange(10, 150), torch.arange(150, 300)
-    bw.start(2, low[:20], low[20:30])
-    bw.start(0, high[:3], high[3:5])
+    bw.start(batch, padded([low[:20], high[:3]]), padded([low[20:30], high[3:5]]))
 
     def pick(ids):  # two rows of 8 ids from one request's own range
         return ids[torch.randint(ids.numel(), (2, 8), generator=g)]
@@ -214,8 +216,61 @@ def test_windows_never_mix():
         assert set(ids[0].flatten().tolist()) <= set(low.tolist()) | set(PINNED)
         assert set(ids[1].flatten().tolist()) <= set(high.tolist()) | set(PINNED)
         assert bw.size(torch.tensor([1])).item() == 0  # the free slot was never touched
-    bw.start(2, high[:1], high[:0])
+    bw.start(torch.tensor([2]), high[None, :1], high[None, :0])
     assert set(bw.id_of[2][bw.id_of[2] >= 0].tolist()) == set(PINNED) | {150}
+
+
+STATE = ("ring", "head_pos", "count", "slot_of", "id_of", "first", "fill_id_of", "pending")
+
+
+@pytest.mark.parametrize("filled", [False, True])
+def test_start_many_equals_one_at_a_time(filled):
+    """The prompt pass starts every window whose prompt it completes in one call: prompts of 5 to 300 ids, 3 top-K_pre
+    ids a prompt row, both -1 padded to the longest, into slots that held other requests (their windows, fill and
+    deferred ids must go), W_max 64 (the long prompts' windows overflow, the short ones' do not): every state
+    tensor, the packed rows and then a round's update are those of starting each request alone, slots outside
+    the call untouched, and each window holds its own request's ids and the pinned, no padding and no other's."""
+    g = torch.Generator().manual_seed(4)
+    V2, W2, slots, k_pre = 2000, 64, 8, 3
+    head = exact_inputs(g, V2, D, dtype=torch.float32)
+    fill = ranking(g, V2)[:W2] if filled else None
+    many, alone = (BatchWindow(head, W2, PINNED, slots, fill) for _ in range(2))
+    old = torch.tensor([0, 2, 3, 5, 6])  # earlier requests: slots 2 and 6 keep theirs, running through the starts
+    for bw in (many, alone):
+        g_old = torch.Generator().manual_seed(5)
+        bw.start(old, stream_ids(g_old, V2, 5 * 40, 0.0).view(5, 40), stream_ids(g_old, V2, 5 * 120, 0.1).view(5, 120))
+        bw.defer(old, stream_ids(g_old, V2, 5 * 3, 0.0).view(5, 3))  # deferred ids a restarted slot must drop
+    batch = torch.tensor([5, 0, 7, 3, 1])  # not in slot order; 7 and 1 free until now
+    lengths = [300, 5, 41, 120, 17]
+    prompts = [stream_ids(g, V2, n, 0.0) for n in lengths]
+    topks = [stream_ids(g, V2, k_pre * n, 0.0) for n in lengths]
+    many.start(batch, padded(prompts), padded(topks))
+    for slot, prompt, topk in zip(batch.tolist(), prompts, topks):
+        alone.start(torch.tensor([slot]), prompt[None], topk[None])
+    R = many.R
+    for name in STATE:
+        assert torch.equal(getattr(many, name), getattr(alone, name)), name
+    assert torch.equal(many.packed[:, :R], alone.packed[:, :R])
+    live = many.id_of[:, :R] >= 0
+    assert torch.equal(many.packed[:, :R][live], head[many.id_of[:, :R][live]])
+    for slot, prompt, topk in zip(batch.tolist(), prompts, topks):
+        own = set(prompt.tolist()) | set(topk.tolist()) | set(PINNED)
+        active = set(many.id_of[slot, :R][live[slot]].tolist())
+        counted = set(many.count[slot, :V2].nonzero().flatten().tolist())
+        assert set(PINNED) <= active <= own and counted <= own and set(many.ring[slot].tolist()) <= own | {-1}
+        assert many.count[slot, V2] == 0 and many.slot_of[slot, V2] == -1  # padding left no trace in the sentinel
+        assert (many.pending[slot] == -1).all()
+    assert (many.head_pos[batch] > W2).any() and (many.head_pos[batch] < W2).any()  # overflowed and not
+    assert (many.pending[[2, 6]] >= 0).any()  # the running slots kept their deferred ids
+    if filled:  # thin windows take the fill, full ones none
+        assert (many.fill_id_of[batch] >= 0).sum(1).max() > 0
+    running = torch.tensor([0, 1, 2, 3, 5, 6, 7])
+    tree, ver = stream_ids(g, V2, 7 * 20, 0.1).view(7, 20), stream_ids(g, V2, 7 * 4, 0.3).view(7, 4)
+    for bw in (many, alone):
+        bw.update(running, tree, ver)
+    for name in STATE:
+        assert torch.equal(getattr(many, name), getattr(alone, name)), name
+    assert torch.equal(many.packed[:, :R], alone.packed[:, :R])
 
 
 def reference_fill(window: set[int], ranked: list[int], R: int) -> list[int]:
@@ -261,7 +316,7 @@ class Batched(Single):
         self.v = BatchWindow(head, w, PINNED, 3, ranked[:w] if method == "microspec" else None)
 
     def start(self, slot, prompt, topk):
-        self.v.start(slot, prompt, topk)
+        self.v.start(torch.tensor([slot]), prompt[None], topk[None])  # a batch of one
 
     def update(self, slot, tree, ver):
         self.v.update(torch.tensor([slot]), tree[None], ver[None])
@@ -334,9 +389,9 @@ def test_window_never_exceeds_w_max(method):
     bw = BatchWindow(head, W, PINNED, 2, ranking(g)[:W] if fill else None, *WindowVocab.FLAGS[method][:3])
     every = torch.arange(V).expand(2, V)
     batch = torch.tensor([0, 1])
-    for slot in (0, 1):
-        bw.start(slot, torch.randperm(V, generator=g)[:3 * W], torch.randperm(V, generator=g)[:2 * W], 
-                 torch.randperm(V, generator=g)[:W])
+    bw.start(batch, torch.stack([torch.randperm(V, generator=g)[:3 * W] for _ in batch]),
+             torch.stack([torch.randperm(V, generator=g)[:2 * W] for _ in batch]),
+             torch.stack([torch.randperm(V, generator=g)[:W] for _ in batch]))
     for rnd in range(8):
         tree = torch.randperm(V, generator=g)[:2 * W].expand(2, -1).clone()
         ver = torch.tensor(PINNED * 3 if rnd % 2 else [], dtype=torch.long).expand(2, -1)

@@ -8,6 +8,7 @@ Scaled to the 2-core CI machine: the issue's 64 requests of 1 to 2,000 prompt to
 under a 64-token budget (so prompts still span many steps and share passes with decodes)."""
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import replace
 
@@ -17,7 +18,9 @@ import torch
 from trtllm_microspec import LLM
 from trtllm_microspec.engine.block_manager import GIB, block_bytes
 from trtllm_microspec.engine.policy import StepCosts
+from trtllm_microspec.models.model import Span
 from trtllm_microspec.speculative.sampling import GREEDY, SamplingParams
+from trtllm_microspec.speculative.tree import causal
 
 
 def alone(llm: LLM, ids: list[int], max_new: int, params: SamplingParams = GREEDY) -> list[int]:
@@ -183,3 +186,39 @@ def test_spec_mixed_lengths_equal_alone(method, shape, engine_dir, random_draft_
     assert not runner.grows and all((r.stats.rounds > 0) == (shape == "tree") for r in reqs)
     sched.step()
     check_pool(sched)
+
+
+def test_windows_start_from_their_prompt_rows(engine_dir, random_draft_dir, monkeypatch):
+    """Prompts of 70, 5, 30 and 9 tokens under a 48-token budget: the 70 and 30 take two passes, and two pairs of
+    windows start in one call each (SpecRunner.packed starts every prompt a pass completes together, reading each
+    one's rows from the pool slots the passes wrote them to). Each window right after its start is the one
+    started alone from its prompt, then its top-K_pre: the target's top-k_pre ids at every prompt row, from one
+    forward over the whole prompt here, as the prompt rows' ids, whatever pass wrote each row."""
+    spec = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=4, max_num_tokens=48,
+               spec_policy="fixed", **SPEC)
+    sched = spec.scheduler()
+    v, t = sched.runner.vocab, spec.target
+    state = ("ring", "head_pos", "count", "slot_of", "id_of", "first", "fill_id_of", "pending", "packed")
+    alone = copy.deepcopy(v)  # the reference's windows, of the same vocabulary
+    sizes, start = [], v.start
+    monkeypatch.setattr(v, "start", lambda batch, *a: (sizes.append(batch.numel()), start(batch, *a)))
+    reqs = [sched.add(p, 3) for p in prompts(4, [70, 5, 30, 9], seed=4)]
+    started = {}
+    while not all(r.done for r in reqs):
+        sched.step()
+        for r in reqs:
+            if r.rid not in started and not r.prefilling:  # its window as the pass that completed its prompt left it
+                started[r.rid] = [getattr(v, name)[r.slot].clone() for name in state]
+    assert sizes == [2, 2]
+    for r in reqs:
+        pos = torch.arange(len(r.prompt))
+        h = t(torch.tensor(r.prompt), pos, pos, Span(torch.tensor(0), causal(len(r.prompt), "cpu"), len(r.prompt)))
+        topk_pre = t.topk(t.logits(h), SPEC["k_pre"]).flatten()
+        alone.start(torch.tensor([0]), torch.tensor(r.prompt)[None], topk_pre[None])
+        live = alone.id_of[0, :alone.R] >= 0
+        for name, got in zip(state, started[r.rid]):
+            want = getattr(alone, name)[0]
+            if name == "packed":  # only the active rows have content
+                got, want = got[:alone.R][live], want[:alone.R][live]
+            assert torch.equal(got, want), f"{len(r.prompt)}-token prompt: {name}"
+        assert alone.head_pos[0] > len(r.prompt)  # top-K_pre ids joined the stream

@@ -472,15 +472,18 @@ class SpecRunner(BatchRunner):
         self.dcache = KVCache(draft.cfg, draft.cfg.num_layers, self.cache.k.dtype, dev, slots=self.cache.pos.numel())
         self.vocab = batch_vocab(vocab, max_batch + 1)  # the padding slot too: padding rows read it
         if hasattr(self.vocab, "reset"):  # every slot a valid (pinned ids) window: a padding row may read a free one
-            for s in range(max_batch + 1):
-                self.vocab.reset(s)
+            self.vocab.reset(torch.arange(max_batch + 1, device=dev))
         self.h_last = torch.zeros(max_batch + 1, draft.cfg.hidden_size, dtype=self.cache.k.dtype, device=dev)
         self.steps = torch.arange(tree.max_path, device=dev)
         self.steps_lag = torch.arange(LAG, device=dev)
-        self.topk_pre: dict[int, list[torch.Tensor]] = {}  # batch slot -> its prompt chunks' top-K_pre so far
         # only a MicroSpec window that starts from its prompt reads top-K_pre: the others skip the LM head over
         # every prompt row (shared rows: eagle, frspec; ext-only starts from the first token's top-K_ver)
         self.window_pre = isinstance(self.vocab, BatchWindow) and self.vocab.use_prompt
+        # each pool slot's prompt id and top-K_pre ids, written by the pass that prefills the slot: the windows a
+        # pass starts gather their prompts' rows through the block table at once, however many chunks each took
+        # (a request's blocks hold its rows until it leaves; k_pre + 1 longs a slot beside its KV's kilobytes)
+        self.prompt_rows = torch.full((self.cache.pos.numel(), 1 + k_pre), -1, dtype=torch.long, device=dev) \
+            if self.window_pre else None
         # what the host reads after a round, per row: accepted k, vocabulary size, covered, emitted tokens
         self.out = torch.zeros(max_batch, 3 + tree.max_path, dtype=torch.long, device=dev)
         # The lazy draft: a plain decode-only step is AR's step (BatchRunner._decode) and leaves the draft alone; it
@@ -531,31 +534,29 @@ class SpecRunner(BatchRunner):
         for req, c in chunks:
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
             nxt += after + [0] * (c - len(after))
-        # the prompts whose windows start in this pass go to the device with the pass's inputs (a copy after the
-        # target's launches would wait for them to run)
-        prompts = [longs(req.prompt) for req, c in chunks if req.prefilled + c == req.seq_len]
-        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)), *prompts])
+        # the prompt lengths of the windows that start in this pass go to the device with the pass's inputs (a copy
+        # after the target's launches would wait for them to run); a speculative request takes its blocks when it
+        # joins, is never preempted, so its prefilled rows are its prompt's
+        lens = [len(req.prompt) for req, c in chunks if req.prefilled + c == req.seq_len] if self.window_pre else []
+        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)), longs(lens)])
         h = t(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
         feat = d.features(h)  # the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
         if self.window_pre:  # every prompt row's top-K_pre, PREFILL_CHUNK rows per LM-head call (never [P x V])
             P = len(nxt)
             pre = torch.cat([t.topk(t.logits(h[i:min(i + PREFILL_CHUNK, P)]), self.k_pre)
                              for i in range(0, P, PREFILL_CHUNK)])
-            for (req, c), part in zip(chunks, pre.split([c for _, c in chunks])):
-                if req.prefilled == 0:  # (a slot's last request may have left mid-prompt)
-                    self.topk_pre[req.slot] = []
-                self.topk_pre[req.slot].append(part.flatten())
+            self.prompt_rows.index_copy_(0, p.spans.physical(p.slots)[:P], torch.cat([p.tokens[:P, None], pre], 1))
         tok = p.rows  # (empty: no row sampled)
         if p.sample:
             logits = t.logits(h[p.rows])
             tok = self.sampler.choose(logits, p.slot, p.at, self.sampler.mode(p.sample))
             # the sampled rows' verified ids: a decode's wait for its next round, ext-only's window starts from them
             ver = t.topk(logits, self.k_ver)
-            for i, (b, prompt) in enumerate(zip(p.ends, p.extra[1:])):
-                req = chunks[b][0]
-                topk_pre = torch.cat(self.topk_pre.pop(req.slot)) if self.window_pre else None
-                self.vocab.start(req.slot, prompt, topk_pre, None if self.vocab.use_prompt else ver[i:i + 1])
-                self.vocab.join()  # before the next window's gather: one in flight at a time
+            if p.ends:  # the windows of every prompt this pass completes start together
+                n = len(p.ends)
+                prompt, topk = self.prompts(p.slot[:n], p.extra[1], max(lens)) if self.window_pre else (None, None)
+                self.vocab.start(p.slot[:n], prompt, topk, None if self.vocab.use_prompt else ver[:n])
+                self.vocab.join()  # their packed rows' gather done before the copy stream takes another
             if decodes:  # after the chunks' part (Scheduler._run reruns the decodes alone if that fails)
                 self.vocab.defer(p.slot[len(p.ends):], ver[len(p.ends):])
         dh = d.hidden(p.extra[0].index_copy(0, p.rows, tok), feat, self.positions(p.slots), p.slots, p.spans,
@@ -565,6 +566,16 @@ class SpecRunner(BatchRunner):
         for r in decodes:  # a plain step's one token is no acceptance: its size and why only
             self.count_step(r.stats, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
+
+    def prompts(self, slots: torch.Tensor, lens: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts [B, L] and their rows' top-K_pre ids [B, L * k_pre], -1 padded, of the requests in batch
+        slots `slots` (prompt lengths `lens`, L the longest), read from the pool slots of their rows (prompt_rows):
+        a few ops for the whole batch, whatever the passes that wrote each row."""
+        B = slots.numel()
+        cols = torch.arange(L, device=self.device)
+        rows = self.prompt_rows[physical(self.table.index_select(0, slots), cols.expand(B, L))]  # [B, L, 1 + k_pre]
+        rows = torch.where((cols < lens[:, None])[..., None], rows, -1)  # past a prompt: another's rows, or none
+        return rows[..., 0], rows[..., 1:].flatten(1)
 
     def plan(self, reqs: list) -> int:
         """The policy's shape for this step's decoding requests; returns the target rows each of them adds."""

@@ -39,7 +39,7 @@ class SharedVocab:
     def __init__(self, vocab):
         self.vocab = vocab
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor,
+    def start(self, batch: torch.Tensor, prompt_ids: torch.Tensor | None, prompt_topk: torch.Tensor | None,
               first_topk: torch.Tensor | None = None) -> None:
         pass
 
@@ -97,7 +97,6 @@ class BatchWindow:
         R = self.R
         # one sentinel column per slot absorbs padded writes, as in the single-request layout
         self.ring = torch.full((slots, self.W + 1), -1, dtype=torch.long, device=dev)
-        self.slot_ids = torch.arange(slots, device=dev)  # start's one-slot batch as a view (no host -> device copy)
         self.head_pos = torch.zeros(slots, dtype=torch.long, device=dev)
         self.count = torch.zeros(slots, V + 1, dtype=torch.int32, device=dev)
         self.slot_of = torch.full((slots, V + 1), -1, dtype=torch.long, device=dev)
@@ -122,36 +121,37 @@ class BatchWindow:
         """Whether update / defer use their ids (ctx-only's window never changes after its prompt)."""
         return self.use_rounds
 
-    def reset(self, slot: int) -> None:
-        P = len(self.pinned)
-        self.ring[slot].fill_(-1)
-        self.head_pos[slot] = 0
-        self.count[slot].zero_()
-        self.slot_of[slot].fill_(-1)
-        self.id_of[slot].fill_(-1)
-        self.fill_id_of[slot].fill_(-1)
-        self.pending[slot].fill_(-1)
-        self.count[slot, self.pinned] = 1
-        self.slot_of[slot, self.pinned] = torch.arange(P, device=self.pinned.device)
-        self.id_of[slot, :P] = self.pinned
-        self.packed[slot, :P] = self.head_w[self.rows(self.pinned)]
+    def reset(self, batch: torch.Tensor) -> None:
+        """The windows of batch hold their pinned ids alone, nothing of their last requests': a few index ops
+        for the whole batch (the prompt pass starts every window whose prompt it completes at once)."""
+        B, P = batch.numel(), len(self.pinned)
+        for state, empty in ((self.ring, -1), (self.head_pos, 0), (self.count, 0), (self.slot_of, -1),
+                             (self.id_of, -1), (self.fill_id_of, -1), (self.pending, -1)):
+            state.index_fill_(0, batch, empty)
+        at = (batch[:, None] * (self.V + 1) + self.pinned).flatten()  # each window's pinned ids, flat
+        self.count.view(-1).index_fill_(0, at, 1)
+        self.slot_of.view(-1).index_copy_(0, at, torch.arange(P, device=batch.device).repeat(B))
+        self.id_of[:, :P].index_copy_(0, batch, self.pinned.expand(B, P))
+        pinned = self.head_w[self.rows(self.pinned)]
+        self.packed[:, :P].index_copy_(0, batch, pinned.expand(B, *pinned.shape))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The head rows of target ids (of the draft vocabulary; padding's 0 reads any row)."""
         return ids if self.row_of is None else self.row_of[ids].clamp(min=0)
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, prompt_topk: torch.Tensor,
+    def start(self, batch: torch.Tensor, prompt_ids: torch.Tensor | None, prompt_topk: torch.Tensor | None,
               first_topk: torch.Tensor | None = None) -> None:
-        """A request joins batch slot `slot`: its window starts afresh from its prompt and top-K_pre ids (ext-only:
-        from first_topk, the target's top-K_ver after the prompt)."""
-        self.reset(slot)
-        batch = self.slot_ids[slot:slot + 1]
+        """The requests join batch slots `batch` [B]: each window starts afresh from its prompt prompt_ids [B, n]
+        and then its de-duplicated top-K_pre ids prompt_topk [B, m], both -1 padded (ext-only: from first_topk
+        [B, k], the target's top-K_ver after the prompt). One batch of ops for all B (a row's padding is skipped,
+        so each window is what it would be started alone); a single request is a batch of one."""
+        self.reset(batch)
         if self.use_prompt:
-            stream = torch.cat([prompt_ids, ops.unique_first_rows(prompt_topk[None], self.first, batch)[0]])
+            stream = torch.cat([prompt_ids, ops.unique_first_rows(prompt_topk, self.first, batch)], 1)
         else:
-            stream = first_topk.flatten()
-        self._append(batch, stream[None])
-        self._refill(batch)  # the fill of the new window: nothing of the slot's last request's
+            stream = first_topk
+        self._append(batch, stream)
+        self._refill(batch)  # the fill of the new windows: nothing of the slots' last requests'
 
     def update(self, batch: torch.Tensor, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
         """A round's stream of every request: the ids its plain steps deferred, then tree_ids [B, n], then
