@@ -170,6 +170,7 @@ def check_tree_select(dev, g, B: int, k: int, depth: int, N: int) -> float:
     fast, ref = both(lambda: layers.tree_select(*args, k, N))
     if not all(torch.equal(a, b) for a, b in zip(fast, ref)):
         return 1.0
+
     def tied(shape):  # a head's top-k: its first id 0, -0.5 or -1, most others -inf (empty slots of a small window)
         x = -0.5 * torch.randint(0, 3, shape, generator=g).float()
         x[..., 1:] = x[..., 1:].masked_fill(torch.rand(*shape[:-1], shape[-1] - 1, generator=g) < 0.9, float("-inf"))

@@ -556,12 +556,12 @@ class SpecRunner(BatchRunner):
                 n = len(p.ends)
                 prompt, topk = self.prompts(p.slot[:n], p.extra[1], max(lens)) if self.window_pre else (None, None)
                 self.vocab.start(p.slot[:n], prompt, topk, None if self.vocab.use_prompt else ver[:n])
-                self.vocab.join()  # their packed rows' gather done before the copy stream takes another
             if decodes:  # after the chunks' part (Scheduler._run reruns the decodes alone if that fails)
                 self.vocab.defer(p.slot[len(p.ends):], ver[len(p.ends):])
         dh = d.hidden(p.extra[0].index_copy(0, p.rows, tok), feat, self.positions(p.slots), p.slots, p.spans,
                       cache=self.dcache)
         self.h_last[p.slot] = dh[p.rows]
+        self.vocab.join()  # the new windows' packed rows, gathered on the copy stream behind the draft pass
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
         for r in decodes:  # a plain step's one token is no acceptance: its size and why only
             self.count_step(r.stats, 1)
