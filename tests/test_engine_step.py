@@ -222,3 +222,17 @@ def test_windows_start_from_their_prompt_rows(engine_dir, random_draft_dir, monk
                 got, want = got[:alone.R][live], want[:alone.R][live]
             assert torch.equal(got, want), f"{len(r.prompt)}-token prompt: {name}"
         assert alone.head_pos[0] > len(r.prompt)  # top-K_pre ids joined the stream
+
+
+def test_kv_budget_counts_the_prompt_rows(engine_dir, random_draft_dir):
+    """MicroSpec keeps each pool slot's prompt id and top-K_pre ids (prompt_rows) beside its KV: the --kv-memory
+    budget buys blocks of both pools and those rows, so what the engine allocates per block fits in it."""
+    budget = 0.01  # GiB
+    spec = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", kv_memory=budget,
+               spec_policy="fixed", **SPEC)
+    r = spec.scheduler().runner
+    assert r.prompt_rows is not None and r.prompt_rows.shape[1] == 1 + SPEC["k_pre"]
+    allocated = sum(x.nbytes for pool in (r.cache, r.dcache) for x in (pool.k, pool.v, pool.pos)) \
+        + r.prompt_rows.nbytes
+    assert allocated == r.blocks.num_blocks * r.block_bytes
+    assert budget * GIB - r.block_bytes < allocated <= budget * GIB

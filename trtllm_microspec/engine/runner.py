@@ -37,7 +37,8 @@ from ..models.registry import UserError
 from ..speculative.batch_tree import accept, causal_mask, draft_trees, physical, verify
 from ..speculative.sampling import Sampler, tempered
 from ..speculative.tree import Tree, TreeConfig, causal
-from ..vocab.batched import BatchWindow, batch_vocab
+from ..vocab.batched import batch_vocab
+from ..vocab.strategies import Window
 from .block_manager import BlockManager, block_bytes, check_fits, pool_blocks
 from .graphs import GraphRunner, bucket_for
 from .policy import SpecPolicy, StepCosts, tree_shapes
@@ -126,7 +127,9 @@ class BatchRunner:
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
                  cuda_graphs: bool = False, draft_cfg: ModelConfig | None = None, reserve: int = 1,
-                 max_num_tokens: int | None = None, decode_rows: int = 1):
+                 max_num_tokens: int | None = None, decode_rows: int = 1, slot_bytes: int = 0):
+        """slot_bytes: bytes a caller keeps per pool slot beside the KV (SpecRunner.prompt_rows), so the
+        pool's budget counts them."""
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
         self.target, self.max_batch, self.device = target, max_batch, dev
         self.stop_ids = list(c.eos_ids)
@@ -139,7 +142,8 @@ class BatchRunner:
         kv_memory = kv_memory or DEFAULT_KV_MEMORY[dev.type]
         # a block of the target's pool and, with draft_cfg, of the draft's (SpecRunner: it shares the block ids, one
         # table for both), each in its own KV shape
-        self.block_bytes = sum(block_bytes(cfg, dtype) for cfg in (c, draft_cfg) if cfg is not None)
+        self.block_bytes = sum(block_bytes(cfg, dtype) for cfg in (c, draft_cfg) if cfg is not None) \
+            + slot_bytes * KV_BLOCK
         # table columns: every span (a chunk's, a step's S bucket) reaches at most max_seq_len
         width = -(-c.max_seq_len // KV_BLOCK)
         # the per-slot buffers grow with max_batch: the block table (int64) is the largest
@@ -460,9 +464,11 @@ class SpecRunner(BatchRunner):
         or fixed (always `tree`); costs: the policy's cost model (None: measured by timing padding rounds).
         k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node (see _round)."""
         shapes = tree_shapes(tree, spec_policy)
+        window_pre = isinstance(vocab, Window) and vocab.use_prompt  # it keeps prompt_rows (below)
         super().__init__(target, max_batch, kv_memory, cuda_graphs, draft_cfg=draft.cfg,
                          reserve=max(round_reserve(t) for t in shapes if t),
-                         max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens)
+                         max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens,
+                         slot_bytes=(1 + k_pre) * 8 if window_pre else 0)
         self.draft, self.tree, self.k_pre, self.k_ver, self.k_tree = draft, tree, k_pre, k_ver, k_tree
         self.shapes = shapes
         self.policy = SpecPolicy(shapes, spec_policy, costs or StepCosts(self.measure))
@@ -478,7 +484,7 @@ class SpecRunner(BatchRunner):
         self.steps_lag = torch.arange(LAG, device=dev)
         # only a MicroSpec window that starts from its prompt reads top-K_pre: the others skip the LM head over
         # every prompt row (shared rows: eagle, frspec; ext-only starts from the first token's top-K_ver)
-        self.window_pre = isinstance(self.vocab, BatchWindow) and self.vocab.use_prompt
+        self.window_pre = window_pre
         # each pool slot's prompt id and top-K_pre ids, written by the pass that prefills the slot: the windows a
         # pass starts gather their prompts' rows through the block table at once, however many chunks each took
         # (a request's blocks hold its rows until it leaves; k_pre + 1 longs a slot beside its KV's kilobytes)
