@@ -254,6 +254,30 @@ def check_packed_head_random() -> str:
     return f"{n} cases on random normal bf16, the op and the torch reference on the same GPU logits"
 
 
+def check_packed_head_nan() -> str:
+    """NaN logits (a padding row's uninitialised packed rows or hidden): the kernel counts them as -inf, so a row
+    with a few is the top-k of the rest, and a row of NaN only still returns k distinct real ids (or 0), never an
+    id from outside the row (the draft embeds what it returns)."""
+    g = torch.Generator().manual_seed(6)
+    T, R, d, k = 6, 3074, 256, 10
+    id_of = torch.randperm(200000, generator=g)[:R]
+    hidden = torch.randn(T, d, generator=g).to(torch.bfloat16)
+    packed = (torch.randn(R, d, generator=g) / d ** 0.5).to(torch.bfloat16)
+    nan_slot = torch.rand(R, generator=g) < 0.05
+    packed[nan_slot] = float("nan")
+    hidden[-1] = float("nan")
+    logp, ids = ops.packed_head(hidden.to(DEV), packed.to(DEV), id_of.to(DEV), k)
+    logp, ids = logp.cpu(), ids.cpu()
+    clean = id_of.masked_fill(nan_slot, -1)
+    err = head_error(logp[:-1], ids[:-1], model_logp(hidden[:-1], packed.nan_to_num(0.0), clean), clean, k)
+    if err:
+        raise AssertionError(f"rows with NaN slots: {err}")
+    last = ids[-1]
+    if last.unique().numel() != k or not bool(torch.isin(last, id_of).all()):
+        raise AssertionError(f"a row of NaN returned ids {last.tolist()}: not {k} distinct ids of the row")
+    return f"R={R}: 5% NaN slots, one row of NaN"
+
+
 def check_graph() -> str:
     """update + gather on a copy stream + head, captured once, replayed on new appends; vs the CPU reference."""
     g = torch.Generator().manual_seed(5)
@@ -359,7 +383,8 @@ CHECKS = [("unique_first_rows, one window", check_unique_first),
           ("window_update_rows, one window", check_window_update),
           ("unique_first_rows, window_update_rows, batch", check_rows_ops),
           ("gather_rows", check_gather_rows), ("packed_head, exact inputs", check_packed_head_exact),
-          ("packed_head vs reference, random", check_packed_head_random), ("CUDA graph replay", check_graph),
+          ("packed_head vs reference, random", check_packed_head_random),
+          ("packed_head, NaN logits", check_packed_head_nan), ("CUDA graph replay", check_graph),
           ("batched window", check_batch_window)]
 
 

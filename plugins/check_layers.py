@@ -133,6 +133,21 @@ def check_tree_grow(dev, dtype, g, B: int, k: int, depth: int, d: int) -> float:
         fast, ref = both(lambda: layers.tree_grow(*args))
         if not all(torch.equal(a, b) for a, b in zip(fast, ref)):
             return 1.0
+        # NaN log-probabilities (a padding row's garbage): the kernel ranks them as -inf, so a few NaN children
+        # leave the top-k of the rest (the reference's over the same scores with -inf there), and a request of
+        # NaN only expands children 0 .. k-1 (ties by index): never an index past its k x k children
+        nan = torch.rand(B, k, k, generator=g) < 0.1
+        nan[-1] = True
+        args[1] = logp.masked_fill(nan, float("nan")).to(dev)
+        with layers.path(True):
+            fast = layers.tree_grow(*args)
+        args[1] = logp.masked_fill(nan, float("-inf")).to(dev)
+        with layers.path(False):
+            ref = layers.tree_grow(*args)
+        minus_inf = [x.nan_to_num(nan=float("-inf")) if x.is_floating_point() else x for x in fast]
+        if not all(torch.equal(a[:-1], b[:-1]) for a, b in zip(minus_inf, ref)) \
+                or not torch.equal(fast[1][-1].cpu(), torch.arange(k)):
+            return 1.0
     return 0.0
 
 
@@ -175,6 +190,27 @@ def check_tree_select(dev, g, B: int, k: int, depth: int, N: int) -> float:
         x = -0.5 * torch.randint(0, 3, shape, generator=g).float()
         x[..., 1:] = x[..., 1:].masked_fill(torch.rand(*shape[:-1], shape[-1] - 1, generator=g) < 0.9, float("-inf"))
         return x
+
+    # a request whose pool is all NaN (a padding row's garbage) beside a real one: the real request's tree is the
+    # reference's; the NaN one's (NaN ranks as -inf, ties by pool index) is the pool's first N-1 nodes, its
+    # expansions' inputs those of tree_grow on NaN (children 0 .. k-1), so node x's parent is the root (x < k) or
+    # first-level node (x - k) // k: never a node past the pool
+    nan_score, nan_best = score.clone(), None if best is None else best.clone()
+    nan_score[-1] = float("nan")
+    if nan_best is not None:
+        nan_best[-1] = torch.arange(k).repeat(depth - 1)
+    nan_args = [x if x is None else x.to(dev) for x in (root, torch.arange(P).expand(B, P), nan_score, nan_best)]
+    with layers.path(True):
+        fast = [x.cpu() for x in layers.tree_select(*nan_args, k, N)]
+    with layers.path(False):
+        real = [x.cpu() for x in layers.tree_select(*[x if x is None else x[:-1] for x in nan_args], k, N)]
+    if B > 1 and not all(torch.equal(a[:-1], b) for a, b in zip(fast, real)):
+        return 1.0
+    x = torch.arange(N - 1)
+    if N - 1 <= k + k * k and not (torch.equal(fast[0][-1, 1:], x)
+                                   and torch.equal(fast[1][-1, 1:], torch.where(x < k, 0, (x - k) // k + 1))
+                                   and torch.equal(fast[2][-1, 1:], torch.where(x < k, 1, 2))):
+        return 1.0
 
     score, best = tree_pool(g, B, k, depth, tied)
     tok = torch.arange(P).expand(B, P)  # a node's token: its pool index

@@ -154,6 +154,7 @@ def _tree_grow_kernel(cur_ptr, logp_ptr, ids_ptr, h_ptr, anc_ptr, eye_ptr, score
          + tl.load(logp_ptr + b * K * K + j, mask=ok, other=0.0).to(tl.float32)).to(score_ptr.dtype.element_ty)
     tl.store(score_ptr + b * K * K + j, s, mask=ok)
     s = s.to(tl.float32)
+    s = tl.where(s == s, s, float("-inf"))  # NaN (a padding row's garbage) ranks as -inf: ranks stay a permutation
     # each child's rank: the children before it, by higher score, equal scores by lower index (a strict order:
     # ranks 0 .. k k - 1, each once); the top-k are ranks 0 .. k - 1, largest first as torch.topk's
     before = ((s[:, None] > s[None, :]) | ((s[:, None] == s[None, :]) & (j[:, None] < j[None, :]))) & ok[:, None]
@@ -215,6 +216,7 @@ def _tree_select_kernel(root_ptr, tok_ptr, score_ptr, best_ptr, pen_ptr, tree_of
     j = tl.arange(0, P_BLOCK)  # its pool, and lane P: the sink (the root)
     ok = j < P
     key = tl.load(score_ptr + b * P + j, mask=ok, other=0.0).to(tl.float32) - tl.load(pen_ptr + j, mask=ok, other=0.0)
+    key = tl.where(key == key, key, float("-inf"))  # NaN (a padding row's garbage) ranks as -inf, as in tree_grow
     # each node's rank: the nodes before it by higher key, equal keys by lower pool index (a parent's key is >= its
     # child's, so a parent always ranks first), counted CHUNK nodes at a time
     rank = tl.zeros([P_BLOCK], dtype=tl.int32)
@@ -223,6 +225,7 @@ def _tree_select_kernel(root_ptr, tok_ptr, score_ptr, best_ptr, pen_ptr, tree_of
         iok = i < P
         ki = tl.load(score_ptr + b * P + i, mask=iok, other=0.0).to(tl.float32) \
             - tl.load(pen_ptr + i, mask=iok, other=0.0)
+        ki = tl.where(ki == ki, ki, float("-inf"))
         before = ((ki[:, None] > key[None, :]) | ((ki[:, None] == key[None, :]) & (i[:, None] < j[None, :])))
         rank += tl.sum((before & iok[:, None]).to(tl.int32), axis=0)
     chosen = ok & (rank < N - 1)

@@ -253,8 +253,9 @@ __device__ T block_reduce(T v, Op op, T identity, T* sm /* [33] */) {
 // complement of the slot (low half), so the maximum key is the largest value and, among equal values, the
 // smallest slot. A slot already taken (stored as NaN) gets key 0 and ranks below -inf.
 __device__ __forceinline__ unsigned long long topk_key(float v, int slot) {
+  if (isnan(v)) return 0ull;  // a taken slot (logsoftmax_topk marks it NaN): below every real key, -inf's too
   unsigned u = __float_as_uint(v);
-  u = isnan(v) ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - static_cast<unsigned>(slot));
 }
 
@@ -286,7 +287,8 @@ logsoftmax_topk_kernel(const scalar_t* __restrict__ logits, int R, const int64_t
   const scalar_t* x = logits + static_cast<int64_t>(blockIdx.x) * R;
   float mx = -INFINITY;
   for (int i = threadIdx.x; i < R; i += blockDim.x) {
-    const float v = id_of[i] >= 0 ? static_cast<float>(x[i]) : -INFINITY;
+    // a NaN logit counts as -inf (a padding row's uninitialised inputs: its ids must still be real ones)
+    const float v = id_of[i] >= 0 && !isnan(static_cast<float>(x[i])) ? static_cast<float>(x[i]) : -INFINITY;
     vals[i] = v;
     mx = fmaxf(mx, v);
   }
@@ -321,10 +323,15 @@ logsoftmax_topk_kernel(const scalar_t* __restrict__ logits, int R, const int64_t
   for (int r = 0; r < k; ++r) {
     const unsigned long long key = warp_max(best);
     if (lane == 0) {
-      const int slot = key_slot(key);
       const int64_t o = static_cast<int64_t>(blockIdx.x) * k + r;
-      out_logp[o] = key_value(key) - lse;
-      out_ids[o] = id_of[slot] < 0 ? 0 : id_of[slot];  // an empty slot only wins at -inf (ops.packed_head)
+      if (key == 0) {  // fewer than k slots in the row: -inf and id 0, as an empty slot's
+        out_logp[o] = -INFINITY;
+        out_ids[o] = 0;
+      } else {
+        const int slot = key_slot(key);
+        out_logp[o] = key_value(key) - lse;
+        out_ids[o] = id_of[slot] < 0 ? 0 : id_of[slot];  // an empty slot only wins at -inf (ops.packed_head)
+      }
     }
     if (best == key) {
       unsigned long long next = 0;
