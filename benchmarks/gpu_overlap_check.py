@@ -1,5 +1,6 @@
-"""The overlapped scheduler on a GPU (issue 21), or with `--compare packed-graphs` AR's packed passes replayed
-from CUDA graphs (issue 36: engine/runner.py GRAPHED_ROWS): the same requests through the batched engine with it
+"""The overlapped scheduler on a GPU (issue 21), or with `--compare packed-graphs` the packed passes replayed from
+CUDA graphs (issue 36: engine/runner.py GRAPHED_ROWS; AR's, or with `--method microspec` the speculative runner's
+target + draft pass, a random EAGLE-3 head unless --draft names one): the same requests through the batched engine with it
 off and on, in fp32 (the tokens must be equal: every request gets its tokens alone either way) and timed (output
 tok/s of the whole batch, warm: each configuration runs the batch once to capture its graphs, then once measured).
 
@@ -12,17 +13,21 @@ rounding (a gap of ~1e-4 or less) may flip a token in one run: that is not a sch
 as a clear gap, or in many requests, typically from their second token on.
 
     python benchmarks/gpu_overlap_check.py --engine qwen2.5-coder-1.5b [--requests 256] [--dtype float32]
-        [--compare overlap|packed-graphs]
+        [--compare overlap|packed-graphs] [--method microspec [--draft HEAD] [--spec-policy fixed]]
 """
 from __future__ import annotations
 
 import argparse
 import random
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from trtllm_microspec import LLM
+from trtllm_microspec.llm import resolve_engine
+from trtllm_microspec.speculative.eagle3 import random_head
 from trtllm_microspec.engine.runner import GRAPHED_ROWS
 from trtllm_microspec.models.model import Span
 from trtllm_microspec.speculative.sampling import GREEDY, SamplingParams
@@ -79,8 +84,18 @@ def main() -> None:
                     "differently)")
     ap.add_argument("--compare", choices=("overlap", "packed-graphs"), default="overlap",
                     help="what is switched off and on: the overlapped step, or the graphs of packed passes")
+    ap.add_argument("--method", default="ar", help="ar, or a speculative method (its packed passes: --compare "
+                    "packed-graphs)")
+    ap.add_argument("--draft", help="the speculative method's head (default: a random EAGLE-3 head of 32k ids)")
+    ap.add_argument("--spec-policy", default="auto", help="auto: plain decode rows join the packed passes; fixed: "
+                    "every decode step a round, the packed passes hold prompt chunks only")
     a = ap.parse_args()
-    llm = LLM(a.engine, "ar", device=a.device, dtype=a.dtype, max_batch=a.max_batch)
+    draft = a.draft
+    if a.method != "ar" and draft is None:
+        draft = Path(tempfile.mkdtemp())
+        random_head(resolve_engine(a.engine), draft, 32768)
+    llm = LLM(a.engine, a.method, draft=draft, device=a.device, dtype=a.dtype, max_batch=a.max_batch,
+              spec_policy=a.spec_policy)
     sched = llm.scheduler()
     ids, budgets, params = workload(a.requests, llm.target.cfg.vocab_size, a.longest, a.new_tokens)
     outs = {}

@@ -216,6 +216,12 @@ def test_kv_pool_sized_with_the_heads_own_kv_shape(engine_dir, ar, tmp_path):
     assert allocated == runner.blocks.num_blocks * runner.block_bytes
     assert budget * GIB - runner.block_bytes < allocated <= budget * GIB
     assert [r.token_ids for r in llm.generate(PROMPTS, N, chat=True)] == ar
+    # the prompt passes padded as their CUDA graphs replay them: attention's tile lists for both head groupings
+    # (the target's 3 query heads a kv head, the head's 1) in the pass's buffer
+    runner.graph_rows = runner.max_num_tokens
+    assert runner.graph_G == [1, 3]
+    assert [r.token_ids for r in llm.generate(PROMPTS, N, chat=True)] == ar
+    assert runner.spec_out
 
 
 @pytest.mark.parametrize("method", ["eagle", "microspec"])

@@ -145,16 +145,19 @@ SPEC = dict(depth=2, top_k=3, total_tokens=8, w_max=64, k_pre=2, k_ver=2)
 
 @pytest.mark.parametrize("method", ["eagle", "microspec"])
 @pytest.mark.parametrize("shape", ["tree", "plain"])
-def test_spec_mixed_lengths_equal_alone(method, shape, engine_dir, random_draft_dir, llm, monkeypatch):
+@pytest.mark.parametrize("graphed", [False, True])
+def test_spec_mixed_lengths_equal_alone(method, shape, graphed, engine_dir, random_draft_dir, llm, monkeypatch):
     """Speculative requests of 2 to 300 prompt tokens under a 48-token budget (4 slots x 8 tree rows leave 16 a
     step for prompts beside a round, 44 beside plain rows): prompts are chunked over many steps and share them with
-    decode rows, packed like AR's (no padding rows). A fixed tree runs the chunks' pass then the round; with plain
-    rows (mocked costs: a tree 10x a plain step) the chunks and the decode rows are ONE target pass. Greedy
-    requests get AR's tokens, a sampled one its tokens alone; the budget holds, every block comes back."""
+    decode rows, packed like AR's (no padding rows, or (graphed) padded as a CUDA graph replays the pass, every
+    index in its bucket's buffer). A fixed tree runs the chunks' pass then the round; with plain rows (mocked
+    costs: a tree 10x a plain step) the chunks and the decode rows are ONE target pass. Greedy requests get AR's
+    tokens, a sampled one its tokens alone; the budget holds, every block comes back."""
     spec = LLM(engine_dir, method, draft=random_draft_dir, device="cpu", max_batch=4, max_num_tokens=48,
                spec_policy="fixed" if shape == "tree" else "auto", **SPEC)
     sched = spec.scheduler()
     runner = sched.runner
+    monkeypatch.setattr(runner, "graph_rows", 48 if graphed else 0)
     if shape == "plain":
         runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 else 10.0)
         runner.policy.costs.observe = lambda *a: None  # the mocked costs stay as they are
@@ -184,6 +187,7 @@ def test_spec_mixed_lengths_equal_alone(method, shape, engine_dir, random_draft_
     assert set(mixed) == ({2} if shape == "tree" else {1})  # plain: the chunks and the decode rows in ONE pass
     assert max(rec.tokens for rec in recs) == 48  # the budget alone bounds the prompt tokens of a step
     assert not runner.grows and all((r.stats.rounds > 0) == (shape == "tree") for r in reqs)
+    assert bool(runner.spec_out) == graphed and all(Mb in (128,) for Mb, _ in runner.spec_out)
     sched.step()
     check_pool(sched)
 

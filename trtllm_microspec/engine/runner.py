@@ -9,9 +9,10 @@ is captured in a graph per (batch-size bucket, span bucket, sampling mode) and r
 (up to the batch-size bucket, on every device, so the CPU tests run what the graphs capture) are padding: a greedy
 request of length 0 in the padding slot, whose table points at the pool's block 0 (never handed out). A step with
 prompt chunks packs its rows (`pack`, shared by AR and the speculative runner): each chunk attends as its own Span,
-the decode rows as one (plugins/layers.py Spans; on CUDA one attention launch a layer for all of them). AR's packed
-passes of up to GRAPHED_ROWS rows are padded to a rows bucket and, on CUDA, replayed through a graph per bucket
-(on every device padded alike); larger ones, and the speculative runner's, run eagerly with no padding rows.
+the decode rows as one (plugins/layers.py Spans; on CUDA one attention launch a layer for all of them). Packed
+passes of up to GRAPHED_ROWS rows (AR's step, the speculative runner's target + draft pass) are padded to a rows
+bucket and, on CUDA, replayed through a graph per bucket (on every device padded alike); larger ones run eagerly
+with no padding rows.
 
 Sampling: each batch slot is a row of one Sampler (speculative/sampling.py), set when a request joins, with the key of
 its seed; the uniform of a token is a hash of that key and the token's position, computed inside the step, so a
@@ -48,10 +49,10 @@ DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 0.5}  # fraction of free GPU memory / G
 # 8k-16k); on the CPU a smaller pass keeps the running requests' inter-token latency bounded
 DEFAULT_MAX_NUM_TOKENS = {"cuda": 8192, "cpu": 1024}
 PREFILL_CHUNK = 512  # prompt rows per LM-head call when collecting top-K_pre (never [L x V] at once)
-# AR's packed passes of up to GRAPHED_ROWS rows replay a CUDA graph per rows bucket (multiples of PACKED_BUCKET):
-# under continuous joins most steps carry a small prompt chunk beside the decode rows, and eagerly such a step launched
-# ~300 kernels (on the H200 at c = 64, 119 of 512 steps at ~16 ms each, where their ~600 rows' work is ~4 ms). Larger
-# passes are bound by their GEMMs and stay eager. MICROSPEC_PACKED_GRAPHS=0: every packed pass eager (A/B runs)
+# Packed passes of up to GRAPHED_ROWS rows replay a CUDA graph per rows bucket (multiples of PACKED_BUCKET): under
+# continuous joins most steps carry a small prompt chunk beside the decode rows, and eagerly such a step is bound by
+# its ~300 launches (H200, AR at c = 64 under joins: 17.6 ms a step eagerly, 4.1 ms graphed; 20-40 us of host time
+# a launch). Larger passes are bound by their GEMMs and stay eager. MICROSPEC_PACKED_GRAPHS=0: every packed pass eager
 GRAPHED_ROWS = 2048
 PACKED_BUCKET = 128
 GRAPH_BLOCK_M = 64  # a graphed pass's attention tile height (triton_layers.varlen_plan's for long sequences)
@@ -175,6 +176,9 @@ class BatchRunner:
         self.graph_rows = min(GRAPHED_ROWS, self.max_num_tokens) if packed else 0
         self.static: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.G = c.num_heads // c.num_kv_heads
+        # the head groupings (query heads a kv head) whose attention tile lists a graphed pass keeps: the target's,
+        # and a draft's that attends over the same rows (SpecRunner.packed) if it groups its heads otherwise
+        self.graph_G = [self.G] if draft_cfg is None else sorted({self.G, draft_cfg.num_heads // draft_cfg.num_kv_heads})
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
         check_request(prompt, max_new_tokens, self.target.cfg.max_seq_len, self.target.cfg.vocab_size, self.reserve)
@@ -236,20 +240,28 @@ class BatchRunner:
             S, mode = self.prepare(decodes, Bb)
             self.launch((Bb, S, mode), lambda: self._decode(Bb, S, mode))
             return self.next[:len(decodes)]
-        rows = sum(c for _, c in chunks) + len(decodes)
-        if rows <= self.graph_rows:  # padded to its bucket, through the bucket's graph (GRAPHED_ROWS)
-            R = sum(req.prefilled + c == req.seq_len for req, c in chunks) + len(decodes)
-            pad = (-(-rows // PACKED_BUCKET) * PACKED_BUCKET, batch_bucket(R, self.max_batch))
+        pad = self.packed_pad(chunks, decodes)
+        if pad:  # padded to its bucket, through the bucket's graph (GRAPHED_ROWS)
             p = self.pack(chunks, decodes, pad=pad)
             mode = self.sampler.mode(p.sample)
             out = self.static[pad][1]
             self.launch(("packed", *pad, mode), lambda: out.copy_(self._sample(p, mode)))
-            return out[:R]
+            return out[:len(p.sample)]
         p = self.pack(chunks, decodes)
         if not p.sample:
             self.target(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
             return p.rows  # (empty: no row sampled)
         return self._sample(p, self.sampler.mode(p.sample))
+
+    def packed_pad(self, chunks: list[tuple], decodes: list) -> tuple[int, int] | None:
+        """The (rows, sampled rows) buckets of a packed pass that a CUDA graph replays, None for an eager one (more
+        than graph_rows rows). The rows bucket is the next multiple of PACKED_BUCKET above the rows, so a padded
+        pass always has a padding chunk: its last row is what the padded sampled rows read."""
+        rows = sum(c for _, c in chunks) + len(decodes)
+        if rows > self.graph_rows:
+            return None
+        R = sum(req.prefilled + c == req.seq_len for req, c in chunks) + len(decodes)
+        return (rows // PACKED_BUCKET + 1) * PACKED_BUCKET, batch_bucket(R, self.max_batch)
 
     def _sample(self, p: Packed, mode: str) -> torch.Tensor:
         """The target's pass over a packed step's rows and a token for each sampled row (into last_dev too)."""
@@ -262,12 +274,13 @@ class BatchRunner:
              pad: tuple[int, int] | None = None) -> Packed:
         """The inputs of one packed pass (AR's step, SpecRunner's prompt pass): each chunk's rows, then one row per
         decode; each chunk attends as its own Span, the decode rows as one. Every index goes to the device in one
-        host -> device copy, with the `extra` host tensors (the draft's next tokens).
-        pad (rows Mb, sampled rows Rb): a pass that a CUDA graph replays (`_pass`). Its rows are padded to Mb by one
-        more chunk, at the padding slot from position 0 (its table row is block 0's, never handed out: its KV
-        writes land there, and no other row reads them), its sampled rows to Rb (rows of that chunk, sampled into the
-        padding slot), and every index it reads lies in one buffer per (Mb, Rb), attention's tile list too (padded
-        with empty tiles of an empty sequence, which return at once), so that the graph reads this step's."""
+        host -> device copy, with the `extra` host tensors (a value per row: the draft's next tokens).
+        pad (rows Mb, sampled rows Rb; packed_pad): a pass that a CUDA graph replays. Its rows are padded to Mb by
+        one more chunk, at the padding slot from position 0 (its table row is block 0's, never handed out: its KV
+        writes land there, and no other row reads them; `extra` is 0 there), its sampled rows to Rb (that chunk's
+        last row, sampled into the padding slot), and every index it reads lies in one buffer per (Mb, Rb),
+        attention's tile list for each head grouping of graph_G too (padded with empty tiles of an empty sequence,
+        which return at once), so that the graph reads this step's."""
         dev, D = self.device, len(decodes)
         lens = [c for _, c in chunks]
         starts = [req.prefilled for req, _ in chunks]
@@ -276,11 +289,14 @@ class BatchRunner:
         for req, c in chunks:
             ids += req.chunk(c)
         ends = [b for b, (req, c) in enumerate(chunks) if req.prefilled + c == req.seq_len]  # prompt done: a token
-        if pad and pad[0] > len(ids) + D:
-            lens.append(pad[0] - len(ids) - D)
+        real = len(ids)  # the chunks' rows
+        if pad:
+            assert pad[0] > real + D, "a padded pass has a padding chunk (packed_pad)"
+            lens.append(pad[0] - real - D)
             starts.append(0)
             slots.append(self.pad)
             ids += [0] * lens[-1]
+            extra = [torch.cat([x[:real], torch.zeros(lens[-1], dtype=x.dtype), x[real:]]) for x in extra]
         B = len(lens)
         ids += [r.last for r in decodes]
         P = len(ids) - D  # prompt rows
@@ -304,31 +320,36 @@ class BatchRunner:
         else:
             Mb, Rb = pad
             NS = self.max_batch + 2  # sequences: a step's requests (a chunk or a decode each), the padding's, an empty one
-            NT = -(-Mb * self.G // GRAPH_BLOCK_M) + NS  # tiles: at most one partial row block a sequence
-            seqs, tiles = varlen_layout([(1, c) for c in lens] + [(D, 1)], self.G, GRAPH_BLOCK_M)
+            NT = [-(-Mb * G // GRAPH_BLOCK_M) + NS for G in self.graph_G]  # tiles: a partial row block a sequence
             none = NS - 1  # the empty sequence: (row 0, 0 rows), 0 committed slots
             seq_n = starts + [r.n for r in decodes]
             seq_slot = slots + [r.slot for r in decodes]
             seq_n += [0] * (NS - len(seq_n))
             seq_slot += [self.pad] * (NS - len(seq_slot))
-            seqs += [(0, 0)] * (NS - len(seqs))
-            tiles += [(none, 0)] * (NT - len(tiles))
             more = Rb - R  # sampled rows past R: the padding chunk's last row, into the padding slot
-            host = [longs(ids), *pos, *row_table, longs(rows + [P - 1] * more + sample + [self.pad] * more + at +
-                                                        [0] * more + seq_n + seq_slot), longs([x for st in seqs for x in st]),
-                    longs([x for t in tiles for x in t])]
+            host = [longs(ids), *pos, *row_table, *extra, longs(rows + [P - 1] * more + sample + [self.pad] * more +
+                                                                at + [0] * more + seq_n + seq_slot)]
+            for G, nt in zip(self.graph_G, NT):
+                seqs, tiles = varlen_layout([(1, c) for c in lens] + [(D, 1)], G, GRAPH_BLOCK_M)
+                seqs += [(0, 0)] * (NS - len(seqs))
+                tiles += [(none, 0)] * (nt - len(tiles))
+                host += [longs([x for st in seqs for x in st]), longs([x for t in tiles for x in t])]
             if pad not in self.static:
                 width = self.table.shape[1]
-                self.static[pad] = (torch.zeros(3 * Mb + 3 * Rb + 4 * NS + 2 * NT, dtype=torch.long, device=dev),
+                size = (3 + len(extra)) * Mb + 3 * Rb + 2 * NS + sum(2 * NS + 2 * nt for nt in NT)
+                self.static[pad] = (torch.zeros(size, dtype=torch.long, device=dev),
                                     torch.zeros(Rb, dtype=torch.long, device=dev),
                                     torch.zeros(NS, width, dtype=torch.long, device=dev))
             buf, _, table_seq = self.static[pad]
             host = torch.cat(host)
             buf.copy_(host.pin_memory() if dev.type == "cuda" else host, non_blocking=True)  # (as `upload`)
-            tokens, pos, row_table, rows_d, slot_d, at_d, seq_n_d, seq_slot_d, seqs_d, tiles_d = buf.split(
-                [Mb, Mb, Mb, Rb, Rb, Rb, NS, NS, 2 * NS, 2 * NT])
+            parts = buf.split([Mb, Mb, Mb, *[Mb] * len(extra), Rb, Rb, Rb, NS, NS]
+                              + [n for nt in NT for n in (2 * NS, 2 * nt)])
+            tokens, pos, row_table = parts[:3]
+            extra_d = list(parts[3:3 + len(extra)])
+            rows_d, slot_d, at_d, seq_n_d, seq_slot_d, *layouts = parts[3 + len(extra):]
             torch.index_select(self.table, 0, seq_slot_d, out=table_seq)
-            n_chunk, n_dec, table_dec, extra_d = seq_n_d, seq_n_d[B:B + D], table_seq[B:B + D], []
+            n_chunk, n_dec, table_dec = seq_n_d, seq_n_d[B:B + D], table_seq[B:B + D]
         if decodes and min(ids[P:]) < 0:  # overlap: a decode whose last (-1) the step in flight samples reads it
             tokens[P:] = torch.where(tokens[P:] >= 0, tokens[P:], self.last_dev.index_select(0, row_table[P:]))
         if max(lens) > self.tri.shape[0]:
@@ -341,9 +362,10 @@ class BatchRunner:
         # causal: each part's mask is its rows' triangle (a chunk's, a decode's 1 x 1), so on CUDA attention runs
         # all parts in one launch a layer; the rows' table rows make their physical slots one gather
         spans = Spans(parts, causal=True, table=self.table, row_table=row_table)
-        if pad:  # attention's tile list, the graph's: in the step's buffer
+        if pad:  # attention's tile lists, the graph's: in the step's buffer
             spans.block_m = GRAPH_BLOCK_M
-            spans._varlen[(self.G, GRAPH_BLOCK_M)] = (tiles_d.view(-1, 2), seqs_d.view(-1, 2), seq_n_d, table_seq)
+            for G, seqs_d, tiles_d in zip(self.graph_G, layouts[::2], layouts[1::2]):
+                spans._varlen[(G, GRAPH_BLOCK_M)] = (tiles_d.view(-1, 2), seqs_d.view(-1, 2), seq_n_d, table_seq)
         return Packed(tokens, pos, spans, rows_d, slot_d, at_d, sample, ends, extra_d)
 
     def advance(self, chunks: list[tuple], decodes: list, toks: list[int]):
@@ -485,6 +507,7 @@ class SpecRunner(BatchRunner):
         # only a MicroSpec window that starts from its prompt reads top-K_pre: the others skip the LM head over
         # every prompt row (shared rows: eagle, frspec; ext-only starts from the first token's top-K_ver)
         self.window_pre = window_pre
+        self.spec_out: dict[tuple[int, int], torch.Tensor] = {}  # a graphed packed pass's tokens and top-K_ver
         # each pool slot's prompt id and top-K_pre ids, written by the pass that prefills the slot: the windows a
         # pass starts gather their prompts' rows through the block table at once, however many chunks each took
         # (a request's blocks hold its rows until it leaves; k_pre + 1 longs a slot beside its KV's kilobytes)
@@ -527,51 +550,69 @@ class SpecRunner(BatchRunner):
         return self.packed(chunks, [])[0], self.decode(decodes) if decodes else []
 
     def packed(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
-        """One target pass and one draft pass over the packed chunks and plain decode rows. The draft at row i
-        reads the target's feature there and token i + 1: the prompt's next one, or the token sampled in this pass
-        (a prompt's last row: its first token; a decode row: the token it emits, as a plain round's catch-up), so
-        a chunk needs nothing from the next one. A decode row is what `_round` does for plain rows: the root
-        verified, its token from the position-keyed sampler, the target's top-K_ver deferred to the request's next
-        round. A request's window starts once its whole prompt is in, from its prompt and its top-K_pre, as alone."""
-        t, d = self.target, self.draft
+        """One target pass and one draft pass over the packed chunks and plain decode rows (`_packed`), replayed
+        from a CUDA graph per (rows bucket, sampled rows bucket, sampling mode) up to graph_rows rows, as AR's. Then,
+        eagerly (their sizes vary), the windows of every prompt the pass completes start together, from their
+        prompts and top-K_pre, and the decode rows' top-K_ver wait for their requests' next rounds."""
         if decodes and max(self.lags[r.slot] for r in decodes):  # the draft over each decode's pending rows first
             self.catch_up(decodes)
         nxt = []
         for req, c in chunks:
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
             nxt += after + [0] * (c - len(after))
-        # the prompt lengths of the windows that start in this pass go to the device with the pass's inputs (a copy
-        # after the target's launches would wait for them to run); a speculative request takes its blocks when it
-        # joins, is never preempted, so its prefilled rows are its prompt's
-        lens = [len(req.prompt) for req, c in chunks if req.prefilled + c == req.seq_len] if self.window_pre else []
-        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)), longs(lens)])
-        h = t(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
-        feat = d.features(h)  # the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
-        if self.window_pre:  # every prompt row's top-K_pre, PREFILL_CHUNK rows per LM-head call (never [P x V])
-            P = len(nxt)
-            pre = torch.cat([t.topk(t.logits(h[i:min(i + PREFILL_CHUNK, P)]), self.k_pre)
-                             for i in range(0, P, PREFILL_CHUNK)])
-            self.prompt_rows.index_copy_(0, p.spans.physical(p.slots)[:P], torch.cat([p.tokens[:P, None], pre], 1))
-        tok = p.rows  # (empty: no row sampled)
-        if p.sample:
-            logits = t.logits(h[p.rows])
-            tok = self.sampler.choose(logits, p.slot, p.at, self.sampler.mode(p.sample))
-            # the sampled rows' verified ids: a decode's wait for its next round, ext-only's window starts from them
-            ver = t.topk(logits, self.k_ver)
-            if p.ends:  # the windows of every prompt this pass completes start together
-                n = len(p.ends)
-                prompt, topk = self.prompts(p.slot[:n], p.extra[1], max(lens)) if self.window_pre else (None, None)
-                self.vocab.start(p.slot[:n], prompt, topk, None if self.vocab.use_prompt else ver[:n])
-            if decodes:  # after the chunks' part (Scheduler._run reruns the decodes alone if that fails)
-                self.vocab.defer(p.slot[len(p.ends):], ver[len(p.ends):])
-        dh = d.hidden(p.extra[0].index_copy(0, p.rows, tok), feat, self.positions(p.slots), p.slots, p.spans,
-                      cache=self.dcache)
-        self.h_last[p.slot] = dh[p.rows]
-        self.vocab.join()  # the new windows' packed rows, gathered on the copy stream behind the draft pass
+        pad = self.packed_pad(chunks, decodes)
+        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes))], pad=pad)
+        mode, R = self.sampler.mode(p.sample), len(p.sample)
+        if pad:
+            if pad not in self.spec_out:
+                self.spec_out[pad] = torch.zeros(pad[1], 1 + self.k_ver, dtype=torch.long, device=self.device)
+            out = self.spec_out[pad]
+            self.launch(("spec-packed", *pad, mode), lambda: out.copy_(self._packed(p, mode)))
+        else:
+            out = self._packed(p, mode)
+        tok, ver = out[:R, 0], out[:R, 1:]
+        if p.ends:  # the windows of every prompt this pass completes start together
+            n = len(p.ends)
+            if self.window_pre:  # the prompts' rows from the pool slots the passes wrote them to
+                lens = [len(req.prompt) for req, c in chunks if req.prefilled + c == req.seq_len]
+                prompt, topk = self.prompts(p.slot[:n], upload(longs(lens), self.device), max(lens))
+            else:
+                prompt, topk = None, None
+            self.vocab.start(p.slot[:n], prompt, topk, None if self.vocab.use_prompt else ver[:n])
+        if decodes:  # after the chunks' part (Scheduler._run reruns the decodes alone if that fails)
+            self.vocab.defer(p.slot[len(p.ends):R], ver[len(p.ends):])
+        self.vocab.join()  # the new windows' packed rows, gathered on the copy stream
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
         for r in decodes:  # a plain step's one token is no acceptance: its size and why only
             self.count_step(r.stats, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
+
+    def _packed(self, p: Packed, mode: str) -> torch.Tensor:
+        """`packed`'s device work, what its graph replays: the target's pass, every row's top-K_pre into
+        prompt_rows (a decode's or padding row's lands at its own pool slot, past any prompt: never read), each
+        sampled row's token and top-K_ver, and the draft's pass. The draft at row i reads the target's feature
+        there and token i + 1: the prompt's next one, or the token sampled in this pass (a prompt's last row: its
+        first token; a decode row: the token it emits, as a plain round's catch-up), so a chunk needs nothing from
+        the next one. Returns [sampled rows, 1 + k_ver]: each one's token, then its top-K_ver."""
+        t, d = self.target, self.draft
+        h = t(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
+        feat = d.features(h)  # the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
+        if self.window_pre:  # every row's top-K_pre, PREFILL_CHUNK rows per LM-head call (never [rows x V])
+            M = p.tokens.numel()
+            pre = torch.cat([t.topk(t.logits(h[i:min(i + PREFILL_CHUNK, M)]), self.k_pre)
+                             for i in range(0, M, PREFILL_CHUNK)])
+            self.prompt_rows.index_copy_(0, p.spans.physical(p.slots), torch.cat([p.tokens[:, None], pre], 1))
+        if not p.rows.numel():  # (an eager pass that completes no prompt and has no decode rows)
+            tok = logits = None
+        else:
+            logits = t.logits(h[p.rows])
+            tok = self.sampler.choose(logits, p.slot, p.at, mode)
+        nxt = p.extra[0] if tok is None else p.extra[0].index_copy(0, p.rows, tok)
+        dh = d.hidden(nxt, feat, self.positions(p.slots), p.slots, p.spans, cache=self.dcache)
+        if tok is None:
+            return torch.zeros(0, 1 + self.k_ver, dtype=torch.long, device=self.device)
+        self.h_last[p.slot] = dh[p.rows]
+        return torch.cat([tok[:, None], t.topk(logits, self.k_ver)], 1)
 
     def prompts(self, slots: torch.Tensor, lens: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts [B, L] and their rows' top-K_pre ids [B, L * k_pre], -1 padded, of the requests in batch
