@@ -9,6 +9,9 @@ flushed before each replay (in a real round the target model evicts everything i
                                        Zipf(1) stream, inside the window update's padded output of 2 x --step-ids
                                        rows), and of all W_max rows (a request's start)
   window update                        ops.window_update_rows of --step-ids ids from that stream (one window)
+  head packed 3k, epilogue only        the fused masked log-softmax + top-k alone, on the packed head's logits
+  tree grow / tree select              a round's tree bookkeeping at one request (layers.tree_grow, tree_select):
+                                       the fused kernel and its torch reference
   step ...                             one draft step: the EAGLE backbone (fc + one decoder layer at the model's
                                        shape, random bf16 weights, 1024 cached positions) then the head:
                                        full, static 32k, static 3k (an already-packed buffer), microspec (update,
@@ -232,6 +235,38 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
                  "step naive indexed GEMM (ablation)": (naive_step, R)}
         for kernel, (fn, rows) in steps.items():
             add(kernel, T, timer(fn, feed), backbone_bytes + rows * d * 2)
+        logits = F.linear(hidden, buf)
+        add("head packed 3k, epilogue only", T, timer(lambda: ops.masked_topk(logits[None], ids[None], K)), None)
+    out += round_bookkeeping(name, d, K, g, timer)
+    return out
+
+
+def round_bookkeeping(name: str, d: int, k: int, g: torch.Generator, timer: "Timer", depth: int = 5,
+                      N: int = 60) -> list[dict]:
+    """A round's tree bookkeeping at one request, the GPU tree's shape (depth 5, top-k, N nodes): one expansion's
+    growth (layers.tree_grow) and the selection of the tree from the pool (layers.tree_select), each the fused
+    kernel against its torch reference."""
+    from plugins import layers
+
+    dev, S, P = DEVICE, depth * k, k + depth * k * k
+    cur = -torch.rand(1, k, generator=g, device=dev)
+    logp = -torch.rand(1, k, k, generator=g, device=dev) * 6
+    tok = torch.randint(1000, (1, k, k), generator=g, device=dev)
+    h = torch.randn(1, k, d, generator=g, device=dev).to(torch.bfloat16)
+    anc = torch.rand(1, k, S, generator=g, device=dev) < 0.3
+    eye = torch.zeros(k, S, dtype=torch.bool, device=dev)
+    score = -torch.rand(1, P, generator=g, device=dev).cumsum(1)  # (a pool: its ranks only matter)
+    best = torch.randint(k, (1, (depth - 1) * k), generator=g, device=dev)
+    pool = torch.randint(1000, (1, P), generator=g, device=dev)
+    root = torch.zeros(1, dtype=torch.long, device=dev)
+    out = []
+    for path, label in ((True, "fused"), (False, "torch reference")):
+        with layers.path(path):
+            for kernel, fn in ((f"tree grow (k = {k}), {label}", lambda: layers.tree_grow(cur, logp, tok, h, anc, eye)),
+                               (f"tree select (P = {P}, N = {N}), {label}",
+                                lambda: layers.tree_select(root, pool, score, best, k, N))):
+                out.append(dict(shape=name, rows=1, kernel=kernel, us=timer(fn), mb=None, tb_s=None, pct_copy=None,
+                                floor_us=None))
     return out
 
 
