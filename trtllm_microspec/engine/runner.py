@@ -574,7 +574,7 @@ class SpecRunner(BatchRunner):
         if p.ends:  # the windows of every prompt this pass completes start together
             n = len(p.ends)
             if self.window_pre:  # the prompts' rows from the pool slots the passes wrote them to
-                lens = [len(req.prompt) for req, c in chunks if req.prefilled + c == req.seq_len]
+                lens = [len(chunks[b][0].prompt) for b in p.ends]
                 prompt, topk = self.prompts(p.slot[:n], upload(longs(lens), self.device), max(lens))
             else:
                 prompt, topk = None, None
