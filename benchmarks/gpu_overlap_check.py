@@ -1,4 +1,5 @@
-"""The overlapped scheduler on a GPU (issue 21), or with `--compare packed-graphs` the packed passes replayed from
+"""The overlapped scheduler on a GPU (issue 21; with `--method microspec`, a speculative method's plain steps overlapped
+between its synchronous rounds), or with `--compare packed-graphs` the packed passes replayed from
 CUDA graphs (issue 36: engine/runner.py GRAPHED_ROWS; AR's, or with `--method microspec` the speculative runner's
 target + draft pass, a random EAGLE-3 head unless --draft names one): the same requests through the batched engine with it
 off and on, in fp32 (the tokens must be equal: every request gets its tokens alone either way) and timed (output
@@ -84,8 +85,8 @@ def main() -> None:
                     "differently)")
     ap.add_argument("--compare", choices=("overlap", "packed-graphs"), default="overlap",
                     help="what is switched off and on: the overlapped step, or the graphs of packed passes")
-    ap.add_argument("--method", default="ar", help="ar, or a speculative method (its packed passes: --compare "
-                    "packed-graphs)")
+    ap.add_argument("--method", default="ar", help="ar, or a speculative method (--compare overlap: its plain "
+                    "decode-only steps overlap, its rounds and prompt steps do not; packed-graphs: its packed passes)")
     ap.add_argument("--draft", help="the speculative method's head (default: a random EAGLE-3 head of 32k ids)")
     ap.add_argument("--spec-policy", default="auto", help="auto: plain decode rows join the packed passes; fixed: "
                     "every decode step a round, the packed passes hold prompt chunks only")

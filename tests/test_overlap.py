@@ -6,6 +6,8 @@ On the CPU in fp32 with SmolLM2-135M: every request gets exactly the tokens it g
 cancel and preemption drain the step in flight, and every block and batch slot comes back."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from trtllm_microspec import LLM
@@ -256,3 +258,42 @@ def test_overlap_stream(over, sync):
         got = stop.value
     assert got.stats["stop_reason"] == "stopped" and got.token_ids == ids == want.token_ids[:len(ids)]
     assert over.scheduler().blocks.used == 0
+
+
+def test_speculative_plain_steps_overlap(engine_dir, sync, monkeypatch):
+    """MicroSpec with the shipped head, the policy made to run plain steps (AR's step, the draft's rows kept in
+    the lag buffer: overlapped) between rounds and mixed steps (synchronous: the step in flight is read first), 9
+    requests of 1-90 prompt tokens over 4 batch slots, greedy and sampled, the chats ending at EOS: each request
+    gets its tokens alone, with overlap on and off; a step's tokens are streamed once, a request once a step;
+    every block and slot comes back."""
+    ids = prompts(6, [1, 90, 17, 40, 3, 60], seed=9) + [sync.prompt_ids(c, chat=True) for c in CHATS]
+    budgets = [5 + (i * 7) % 11 for i in range(6)] + [24] * len(CHATS)
+    params = [SamplingParams(temperature=0.8, seed=21 + i) if i % 3 == 1 else GREEDY for i in range(len(ids))]
+    want = [alone(sync, p, m, s) for p, m, s in zip(ids, budgets, params)]
+    outs, pattern = {}, [0, 0, 0, 2, 0, 0, 1, 2, 2, 0]
+    for overlap in (False, True):
+        llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, max_num_tokens=96, overlap=overlap,
+                  depth=2, top_k=3, total_tokens=8)
+        sched = llm.scheduler()
+        cycle = itertools.cycle(pattern)
+        sched.runner.policy.choose = lambda reqs, rows: next(cycle)
+        n = counted(sched, monkeypatch)
+        reqs = [sched.add(p, m, s) for p, m, s in zip(ids, budgets, params)]
+        streamed = drive(sched, reqs)
+        outs[overlap] = [r.out for r in reqs]
+        for r in reqs:
+            assert streamed[r.rid] == r.out
+            assert r.stats.new_tokens == len(r.out) and r.stats.stop_reason in ("eos", "max_tokens")
+            s = r.stats  # each step counted once: a plain one emits a token, a round at least one
+            assert s.tree_sizes.get(1, 0) + s.rounds <= len(r.out) - 1 <= s.tree_sizes.get(1, 0) + s.round_tokens
+        plain = sum(rec.tree == 1 for rec in sched.history if rec.decodes and not rec.chunks)
+        if overlap:  # every plain decode-only step overlapped; rounds and prompt steps synchronous
+            assert n[0] == 0 and n[1] == plain >= 10 and n[2] >= 10, n
+        else:
+            assert n[:2] == [0, 0]
+        assert sum(r.stats.rounds for r in reqs) >= 10
+        sched.step()
+        check_pool(sched)
+        assert sched.pending is None
+    assert any(w[-1] in sync.target.cfg.eos_ids for w in want[-len(CHATS):])  # an EOS finish
+    assert outs[True] == outs[False] == want

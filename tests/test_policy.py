@@ -327,3 +327,29 @@ def test_round_variants_are_two(engine_dir):
     rounds = {k for k in keys if runner.shapes[k[0]] is not None}
     assert {k[-1] for k in rounds} == {0, runner.lag_max}  # a round without pending rows, and with them padded
     assert len({(k[0], k[1], k[2], k[4]) for k in rounds}) == 1  # (S, the KV span, is exact off CUDA graphs)
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_prompts_skip_top_k_pre_where_no_tree_pays(queued, engine_dir, alone):
+    """Calibrated costs by which a tree pays for one request and not for two: a prompt that joins alone computes
+    its top-K_pre (prompt_rows: its ids, then the target's top ids at each row); one with a second request queued
+    behind it (the token budget holds one prompt a step) joins a batch of two, where no tree pays: its pass
+    computes none (-1) and its window starts from its ids. AR's tokens either way."""
+    p, chat, m = CASES[2]
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=2, max_num_tokens=16, **SPEC)
+    sched = llm.scheduler()
+    runner = sched.runner
+    runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 or rows == 1 else 10.0)
+    runner.calibrate()
+    assert runner.calibrated and runner.policy.pays(1, 1) and not runner.policy.pays(2, 2)
+    reqs = [sched.add(llm.prompt_ids(p), m) for _ in range(2 if queued else 1)]
+    first = reqs[0]
+    assert len(first.prompt) > 16  # two passes: the second request waits behind the first
+    while first.prefilling:
+        sched.step()
+    cols = physical(runner.table[first.slot:first.slot + 1], torch.arange(len(first.prompt))[None])[0]
+    rows = runner.prompt_rows[cols]
+    assert rows[:, 0].tolist() == first.prompt
+    assert (rows[:, 1:] == -1).all() if queued else (rows[:, 1:] >= 0).all()
+    sched.run(reqs)
+    assert all(r.out == alone[2] for r in reqs)

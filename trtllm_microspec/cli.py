@@ -13,8 +13,9 @@ from pathlib import Path
 from .models.registry import DEFAULT_MODEL, MODELS, UserError
 
 # modules that add their own sub-commands through `register(subparsers)`
-OVERLAP_HELP = ("the batched engine schedules and launches each AR step while the one before runs on the GPU, reading "
-                "its tokens one step late (default: on; --no-overlap: synchronous)")
+OVERLAP_HELP = ("the batched engine schedules and launches each AR step (and each plain step of a speculative method) "
+                "while the one before runs on the GPU, reading its tokens one step late (default: on; --no-overlap: "
+                "synchronous)")
 FEATURE_MODULES = [
     "trtllm_microspec.vocab.frequency",
     "trtllm_microspec.train.train_draft",

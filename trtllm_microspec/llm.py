@@ -123,8 +123,9 @@ class LLM:
         prompt chunks and decode rows together (None: 8192 on CUDA, 1024 on the CPU, at least max_batch x the rows
         a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
         included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
-        the configured tree). overlap: the batched engine schedules and launches an AR step while the one before
-        runs on the GPU, reading its tokens one step late (engine/scheduler.py; None: DEFAULT_OVERLAP, on).
+        the configured tree). overlap: the batched engine schedules and launches an AR step (a speculative method's
+        plain step) while the one before runs on the GPU, reading its tokens one step late (engine/scheduler.py;
+        None: DEFAULT_OVERLAP, on).
         k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node, the rejected
         ones too (None: k_tree_for's default, 3 for microspec, 0 for the paper's window and the ablations)."""
         if method not in METHODS:

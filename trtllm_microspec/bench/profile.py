@@ -19,9 +19,10 @@ random prompt tokens and --new-tokens new tokens each (an end of answer does not
 (greedy, CUDA graphs, the engine's defaults: --max-num-tokens, --kv-memory), once to warm up (graph captures) and
 once measured; from the scheduler's own record of every step: the GPU time of its pass (CUDA events), the host time
 of the step around it, the rows it ran, for the steps with prompt chunks and the decode-only steps apart.
-Without overlap (--no-overlap, and every speculative method) the GPU idles for the host part of every step (host =
-step - GPU); with it (AR's default), a step's call launches it and then waits for the step before, so step - GPU is
-the GPU's idle time per step and GPU share its busy fraction.
+Without overlap (--no-overlap, and a speculative method's rounds and prompt steps) the GPU idles for the host part
+of every step (host = step - GPU); with it (the default: AR's steps, a speculative method's plain decode-only ones), a
+step's call launches it and then waits for the step before, so step - GPU is the GPU's idle time per step and GPU
+share its busy fraction.
 """
 from __future__ import annotations
 

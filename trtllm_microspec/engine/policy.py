@@ -119,6 +119,12 @@ class SpecPolicy:
         self.why = None if best else ("acceptance" if self.best(len(reqs), len(reqs), rows) else "cost")
         return best
 
+    def pays(self, n: int, rows: int) -> bool:
+        """Whether any tree returns more tokens per second than plain rows for n requests (rows bucket `rows`) at
+        the prior acceptance: where none does, the batch is too big for speculation to pay whatever its text
+        (`fixed`: always)."""
+        return self.policy == "fixed" or self.best(n, n, rows) > 0
+
     def best(self, rho: float, n: int, rows: int) -> int:
         """The shape of the most expected tokens per second for n requests whose acceptance ratios sum to rho:
         sum of E_s(r) = n + rho (G_s - 1)."""

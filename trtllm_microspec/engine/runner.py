@@ -26,6 +26,7 @@ import heapq
 import itertools
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,6 @@ def batch_bucket(B: int, max_batch: int) -> int:
 
 class BatchRunner:
     grows = True  # blocks are appended as a request grows (and it may be preempted, then recomputed)
-    overlaps = True  # a step may be launched before the previous one's tokens are read (step_async)
     inputs = 3  # rows of the persistent input buffer `inp`: last token, committed length, batch slot
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
@@ -161,6 +161,7 @@ class BatchRunner:
         self.free_slots = list(range(max_batch))
         self.joined: list[int] = []  # slots joined since the last map_blocks, their table rows to clear
         self.joined_blocks: list[tuple[int, int, int]] = []  # and the blocks they joined with (speculative)
+        self.queued = 0  # requests waiting to join behind the batch, as the scheduler last saw them
         self.inp = torch.zeros(self.inputs, max_batch, dtype=torch.long, device=dev)
         self.next = torch.zeros(max_batch, dtype=torch.long, device=dev)
         # each batch slot's last sampled decode token, on the device: an overlapped step's input row of a request
@@ -222,6 +223,13 @@ class BatchRunner:
     def plan(self, reqs: list) -> int:
         """Target rows each decoding request adds to this step (AR: one)."""
         return 1
+
+    def overlappable(self, chunks: list[tuple], decodes: list) -> bool:
+        """Whether this step may be launched before the step in flight is read (Scheduler overlap; AR: always)."""
+        return True
+
+    def read(self, reqs: list) -> None:
+        """The oldest overlapped step's tokens were emitted to `reqs` (AR keeps no statistics of its own)."""
 
     def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
         """One target pass: the next chunk of each (request, chunk length) being prefilled and one decode row per
@@ -434,6 +442,10 @@ class BatchRunner:
             return [], torch.zeros(0, dtype=torch.long), None
         tok = self._pass(chunks, decodes)
         rows = [(req, True) for req, c in chunks if req.prefilled + c == req.seq_len] + [(r, False) for r in decodes]
+        return self.launched(rows, tok)
+
+    def launched(self, rows: list[tuple], tok: torch.Tensor) -> tuple[list[tuple], torch.Tensor, object]:
+        """step_async's result: the sampled rows, their tokens' host copy queued behind the pass, its event."""
         if self.device.type != "cuda":
             return rows, tok.clone(), None
         host = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True)
@@ -464,18 +476,19 @@ class SpecRunner(BatchRunner):
     speculation policy picks (engine/policy.py): a tree, or plain rows (AR's step; the window's ids deferred, the
     draft's rows kept in a lag buffer for the request's next round). A decode-only step is one device step with no
     host read but the one of its results, captured in a CUDA graph per (shape, rows bucket, head slots bucket, span
-    bucket, sampling mode, catch-up rows bucket); padding rows leave every
-    window as it is. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
+    bucket, sampling mode, catch-up rows bucket); padding rows leave every window as it is. A plain decode-only
+    step, like AR's, may be launched before the step in flight is read (Scheduler overlap: `overlappable`); a round
+    or a pass with prompt chunks reads it first. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
     `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)` (its input feature from
     the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and `draft.head_in(h)` (the
     vocabulary head's input) only. A step with prompt chunks packs them as AR does (BatchRunner.pack, no padding
-    rows, under the token budget alone) and runs the draft over the same rows; when the step's shape is plain, the
-    decode rows go into the same target and draft pass (eager, as AR's mixed step); a tree's round runs after the
+    rows, under the token budget alone; graphed up to graph_rows) and runs the draft over the same rows, and the
+    LM head's top-K_pre over them where the batch is small enough for speculation to pay (`prompts_pay`); when the
+    step's shape is plain, the decode rows go into the same target and draft pass; a tree's round runs after the
     chunks' pass. A request's blocks are all taken when it joins: its window and draft state could not be
     recomputed token for token after a preemption, so none is preempted."""
 
     grows = False
-    overlaps = False  # its rounds and plain steps read their results before the next step is scheduled
     inputs = 4  # BatchRunner's rows, then each row's lag (its pending plain steps)
 
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
@@ -530,6 +543,8 @@ class SpecRunner(BatchRunner):
         # and the step's verified top-K_ver ids, which join the window's deferred ids (vocab.defer) at the catch-up
         self.lag_ver = torch.full((max_batch + 1, self.lag_max, k_ver), -1, dtype=torch.long, device=dev)
         self.lags = [0] * (max_batch + 1)  # per batch slot on the host: its pending rows (the device reads inp[3])
+        self.whys: deque[str] = deque()  # why each overlapped step in flight runs plain, oldest first (`read`)
+        self.calibrated = False  # every step cost the policy weighs measured (calibrate): prompts_pay may use them
 
     def join(self, req, blocks: list[int]) -> None:
         super().join(req, blocks)
@@ -560,6 +575,7 @@ class SpecRunner(BatchRunner):
         for req, c in chunks:
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
             nxt += after + [0] * (c - len(after))
+        pre = self.window_pre and self.prompts_pay()
         pad = self.packed_pad(chunks, decodes)
         p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes))], pad=pad)
         mode, R = self.sampler.mode(p.sample), len(p.sample)
@@ -567,9 +583,9 @@ class SpecRunner(BatchRunner):
             if pad not in self.spec_out:
                 self.spec_out[pad] = torch.zeros(pad[1], 1 + self.k_ver, dtype=torch.long, device=self.device)
             out = self.spec_out[pad]
-            self.launch(("spec-packed", *pad, mode), lambda: out.copy_(self._packed(p, mode)))
+            self.launch(("spec-packed", *pad, mode, pre), lambda: out.copy_(self._packed(p, mode, pre)))
         else:
-            out = self._packed(p, mode)
+            out = self._packed(p, mode, pre)
         tok, ver = out[:R, 0], out[:R, 1:]
         if p.ends:  # the windows of every prompt this pass completes start together
             n = len(p.ends)
@@ -587,10 +603,24 @@ class SpecRunner(BatchRunner):
             self.count_step(r.stats, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
-    def _packed(self, p: Packed, mode: str) -> torch.Tensor:
+    def prompts_pay(self) -> bool:
+        """Whether the prompts of this pass start their windows from top-K_pre: not where the batch they join --
+        the running requests and those queued behind them (`queued`, the scheduler's), up to max_batch -- is too
+        big for any tree to pay at the calibrated costs (policy.pays). Then those requests would decode plainly,
+        as AR, and the LM head over every prompt row (a GEMM of rows x V, and a top-k of it, beside a pass that
+        does neither for AR) would be paid for nothing; their windows start from the prompts' ids, and join the
+        target's top-K_ver as any window does if the batch later shrinks enough for their rounds to pay. Only
+        with the costs calibrated (calibrate: at start-up on CUDA); without (the CPU's, measured on first need by
+        timings that vary run to run), every prompt takes its top-K_pre."""
+        if not self.calibrated:
+            return True
+        n = min(self.max_batch, self.max_batch - len(self.free_slots) + self.queued)
+        return bool(parallel.agree(int(self.policy.pays(n, batch_bucket(n, self.max_batch))), self.device))
+
+    def _packed(self, p: Packed, mode: str, pre: bool = True) -> torch.Tensor:
         """`packed`'s device work, what its graph replays: the target's pass, every row's top-K_pre into
-        prompt_rows (a decode's or padding row's lands at its own pool slot, past any prompt: never read), each
-        sampled row's token and top-K_ver, and the draft's pass. The draft at row i reads the target's feature
+        prompt_rows (-1 without `pre`: prompts_pay; a decode's or padding row's lands at its own pool slot, past
+        any prompt: never read), each sampled row's token and top-K_ver, and the draft's pass. The draft at row i reads the target's feature
         there and token i + 1: the prompt's next one, or the token sampled in this pass (a prompt's last row: its
         first token; a decode row: the token it emits, as a plain round's catch-up), so a chunk needs nothing from
         the next one. Returns [sampled rows, 1 + k_ver]: each one's token, then its top-K_ver."""
@@ -599,9 +629,9 @@ class SpecRunner(BatchRunner):
         feat = d.features(h)  # the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
         if self.window_pre:  # every row's top-K_pre, PREFILL_CHUNK rows per LM-head call (never [rows x V])
             M = p.tokens.numel()
-            pre = torch.cat([t.topk(t.logits(h[i:min(i + PREFILL_CHUNK, M)]), self.k_pre)
-                             for i in range(0, M, PREFILL_CHUNK)])
-            self.prompt_rows.index_copy_(0, p.spans.physical(p.slots), torch.cat([p.tokens[:, None], pre], 1))
+            top = torch.cat([t.topk(t.logits(h[i:min(i + PREFILL_CHUNK, M)]), self.k_pre)
+                             for i in range(0, M, PREFILL_CHUNK)]) if pre else p.tokens.new_full((M, self.k_pre), -1)
+            self.prompt_rows.index_copy_(0, p.spans.physical(p.slots), torch.cat([p.tokens[:, None], top], 1))
         if not p.rows.numel():  # (an eager pass that completes no prompt and has no decode rows)
             tok = logits = None
         else:
@@ -634,29 +664,13 @@ class SpecRunner(BatchRunner):
     def decode(self, reqs: list) -> list[list[int]]:
         """One step for the batch in the planned shape: a draft / verify / update round, or plain decode rows
         (AR's step, the draft's catch-up rows kept for the next round: `_plain`)."""
-        B = len(reqs)
-        Bb = batch_bucket(B, self.max_batch)
-        shape = parallel.agree(self.policy.choose(reqs, Bb), self.device) if self.planned is None else self.planned
-        self.planned = None
-        plain = self.shapes[shape] is None
-        # the batched draft head multiplies slots 0 .. top-1 in place (vocab/batched.py): top covers every slot
-        top = 1 if plain else batch_bucket(max(r.slot for r in reqs) + 1, self.max_batch)
-        lags = [self.lags[r.slot] for r in reqs]
-        # the catch-up's rows: a round's, its requests' pending ones; a plain step's, none unless a buffer is full
-        L = max(lags) if not plain or max(lags) == self.lag_max else 0
-        Lb = 0 if L == 0 else self.lag_max
-        t0 = time.perf_counter()
-        S, mode = self.prepare(reqs, Bb, [lags])
-        key = (shape, Bb, top, S, mode, Lb)
-        timed = self.replays(key)  # a first use's time is no step's cost: the policy would shun the shape for it
-        self.launch(key, lambda: self._round(shape, Bb, top, S, mode, Lb))
-        if plain:  # AR's step: its tokens alone
+        shape, t0 = self._launch_decode(reqs)
+        B, Bb = len(reqs), batch_bucket(len(reqs), self.max_batch)
+        if self.shapes[shape] is None:  # AR's step: its tokens alone
             res = [[0, 0, 0, tok] for tok in self.next[:B].tolist()]  # the one host read per step
         else:
             res = self.out[:B].tolist()  # the one host read per round
-        for r in reqs:
-            self.lags[r.slot] = (1 if Lb else self.lags[r.slot] + 1) if plain else 0
-        took = time.perf_counter() - t0 if timed else None
+        took = time.perf_counter() - t0 if t0 is not None else None
         self.policy.observe(reqs, shape, Bb, [row[0] + 1 for row in res], took)
         size_of = self.shapes[shape].total_tokens if self.shapes[shape] else 1
         out = []
@@ -674,11 +688,59 @@ class SpecRunner(BatchRunner):
             out.append(emitted[:k + 1])
         return out
 
-    def count_step(self, stats, size: int) -> None:
-        """A decoding step of `size` tree tokens in a request's statistics; a plain one (1) with the policy's why."""
+    def _launch_decode(self, reqs: list) -> tuple[int, float | None]:
+        """`decode`'s step launched, nothing read: its shape, and when it started where its time is a step's
+        cost (None: a graph's first use)."""
+        B = len(reqs)
+        Bb = batch_bucket(B, self.max_batch)
+        shape = parallel.agree(self.policy.choose(reqs, Bb), self.device) if self.planned is None else self.planned
+        self.planned = None
+        plain = self.shapes[shape] is None
+        # the batched draft head multiplies slots 0 .. top-1 in place (vocab/batched.py): top covers every slot
+        top = 1 if plain else batch_bucket(max(r.slot for r in reqs) + 1, self.max_batch)
+        lags = [self.lags[r.slot] for r in reqs]
+        # the catch-up's rows: a round's, its requests' pending ones; a plain step's, none unless a buffer is full
+        L = max(lags) if not plain or max(lags) == self.lag_max else 0
+        Lb = 0 if L == 0 else self.lag_max
+        t0 = time.perf_counter()
+        S, mode = self.prepare(reqs, Bb, [lags])
+        key = (shape, Bb, top, S, mode, Lb)
+        timed = self.replays(key)  # a first use's time is no step's cost: the policy would shun the shape for it
+        self.launch(key, lambda: self._round(shape, Bb, top, S, mode, Lb))
+        for r in reqs:
+            self.lags[r.slot] = (1 if Lb else self.lags[r.slot] + 1) if plain else 0
+        return shape, t0 if timed else None
+
+    def overlappable(self, chunks: list[tuple], decodes: list) -> bool:
+        """A plain decode-only step is AR's step: its lengths are known before its tokens, so it may be launched
+        before the step in flight is read and read after the next one is launched (Scheduler overlap). A round's
+        lengths are its accepted tokens, and a pass with prompt chunks starts windows from host reads: those run
+        synchronously, after the step in flight is read."""
+        return not chunks and bool(decodes) and self.planned is not None and self.shapes[self.planned] is None
+
+    def step_async(self, chunks: list[tuple], decodes: list) -> tuple[list[tuple], torch.Tensor, object]:
+        """An overlappable step (a plain one) launched, as BatchRunner's: the requests are left as they are, the
+        scheduler advances them and reads the tokens later. Its time is no step's cost (the host does not wait
+        for it): the policy sees only its plain step (PROBE)."""
+        shape, _ = self._launch_decode(decodes)
+        self.policy.observe(decodes, shape, batch_bucket(len(decodes), self.max_batch), [1] * len(decodes), None)
+        self.whys.append(self.policy.why)  # counted when its tokens are read (`read`)
+        return self.launched([(r, False) for r in decodes], self.next[:len(decodes)])
+
+    def count_step(self, stats, size: int, why: str | None = None) -> None:
+        """A decoding step of `size` tree tokens in a request's statistics; a plain one (1) with the policy's why
+        (`why`: an overlapped step's, chosen before the steps since)."""
         stats.tree_sizes[size] = stats.tree_sizes.get(size, 0) + 1
         if size == 1:
-            stats.plain_reasons[self.policy.why] = stats.plain_reasons.get(self.policy.why, 0) + 1
+            why = why or self.policy.why
+            stats.plain_reasons[why] = stats.plain_reasons.get(why, 0) + 1
+
+    def read(self, reqs: list) -> None:
+        """The oldest overlapped step's tokens were emitted to `reqs` (its rows of requests that finished at the
+        step before are dropped: those ran no step of theirs): each request's plain step counted."""
+        why = self.whys.popleft()
+        for r in reqs:
+            self.count_step(r.stats, 1, why)
 
     def measure(self, shape: int, Bb: int) -> float:
         """Seconds of one step of `shape` over Bb padding rows (the policy's cost calibration): the same launch,
@@ -709,6 +771,7 @@ class SpecRunner(BatchRunner):
             if Bb >= self.max_batch:
                 break
             Bb = batch_bucket(Bb + 1, self.max_batch)
+        self.calibrated = True
 
     def catch_up(self, reqs: list) -> None:
         """Eagerly, the draft over the pending rows of `reqs` (a mixed step's decodes, whose draft row runs in the

@@ -15,8 +15,9 @@ cannot give a running request the slots of its step, the request that joined las
 vLLM): its blocks go back, it leaves its batch slot, and it waits at the head of the queue to be prefilled again
 with its prompt and the tokens it has emitted, after which it goes on where it was (its random stream kept): its
 tokens stay those it gets alone. Every step is recorded in `history` (what it ran, and its host and GPU time when
-`timing` is on). With `overlap` (AR; DEFAULT_OVERLAP) the host schedules and launches step N + 1 while the
-GPU runs step N and reads N's tokens after that: `step`.
+`timing` is on). With `overlap` (DEFAULT_OVERLAP) the host schedules and launches step N + 1 while the GPU runs
+step N and reads N's tokens after that, for every step the runner can launch so (AR's; a speculative runner's plain
+decode-only steps): `step`.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ class Scheduler:
         self.runner, self.max_batch = runner, max_batch
         if overlap is None:
             overlap = DEFAULT_OVERLAP
-        self.overlap = overlap and runner.overlaps
+        self.overlap = overlap
         self.pending: Pending | None = None  # the overlapped step in flight
         self.max_seq_len = runner.target.cfg.max_seq_len
         self.blocks: BlockManager = runner.blocks
@@ -274,13 +275,14 @@ class Scheduler:
             budget -= c
         self.runner.map_blocks(self._updates)
         self._updates = []
+        self.runner.queued = len(self.waiting)  # the load behind the batch (a speculative runner plans by it)
         return chunks, decodes, preempted
 
     def step(self) -> list[tuple[Request, list[int]]]:
         """One boundary and one step. Returns each request's newly emitted tokens (a finished request's last
         ones included; `req.done` says it ended).
 
-        With overlap (AR), step N + 1 is scheduled and launched before step N's tokens are read (SGLang's overlap
+        With overlap, step N + 1 is scheduled and launched before step N's tokens are read (SGLang's overlap
         scheduler, vLLM's async scheduling): lengths are known without the tokens (one per decoding request, a
         chunk's per prompt), and a decode row's input token is taken on the device from step N's output (a prompt's
         first token too). Then the host waits for step N's tokens (copied to pinned memory behind it) and emits
@@ -289,7 +291,10 @@ class Scheduler:
         runs its steps in order, so a later owner's writes come after); so is the token in flight of a request
         cancelled meanwhile (it keeps the tokens it was given). A step whose decodes might not get their blocks
         (fewer free than running requests) drains the step in flight first: a preemption recomputes a request from
-        its emitted tokens, so they must all be in."""
+        its emitted tokens, so they must all be in. A step the runner cannot launch so (runner.overlappable: a
+        speculative round, whose input is N's tokens and whose lengths are its own accepted ones; a speculative pass
+        with prompt chunks) reads N first, drops the requests N finished, and runs synchronously: the call returns
+        both steps' tokens, a request's together."""
         t0 = time.perf_counter()
         drained: list[tuple[Request, list[int]]] = []  # the step in flight's tokens (overlap)
         emitted: list[tuple[Request, list[int]]] = []  # this step's own (synchronous)
@@ -302,7 +307,7 @@ class Scheduler:
                          sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting),
                          self.decode_rows if decodes else 0)
         rec.plan_s = time.perf_counter() - t0
-        if self.overlap and (chunks or decodes):
+        if self.overlap and (chunks or decodes) and self.runner.overlappable(chunks, decodes):
             rec.events = self._events()
             t_start = time.perf_counter()
             rows, tokens, event = self._launch(chunks, decodes)
@@ -322,6 +327,9 @@ class Scheduler:
                     r.last = -1
             self.pending = Pending(chunks, rows, tokens, event, t1)
         elif chunks or decodes:
+            if self.pending:  # a step that needs the tokens in flight (a speculative round): they are read first
+                drained += self._drain()
+                decodes = [r for r in decodes if not r.done]  # finished at that step: nothing more to decode
             events = self._events()
             t1 = time.perf_counter()
             firsts, decoded = self._run(chunks, decodes)  # its tokens read back: the pass is over
@@ -342,8 +350,11 @@ class Scheduler:
             drained += self._drain()
         rec.step_s = time.perf_counter() - t0
         self.history.append(rec)
-        # (one of the two is empty: with overlap a step drains, at most once, and emits nothing of its own; without,
-        # nothing is in flight: a request is in the list once, as serving expects)
+        if drained and emitted:  # a synchronous step after an overlapped one: a request once, as serving expects
+            merged: dict[Request, list[int]] = {}
+            for req, toks in drained + emitted:
+                merged[req] = merged.get(req, []) + toks
+            return list(merged.items())
         return drained or emitted
 
     def _events(self) -> tuple | None:
@@ -367,6 +378,7 @@ class Scheduler:
         for req, _ in p.chunks:
             req.stats.prefill_s += dt
         emitted = []
+        kept = [req for req, first in p.rows if not (first or req.done or req.cancelled)]  # decodes with a token
         for (req, first), tok in zip(p.rows, p.tokens.tolist()):
             # finished at the step before, or cancelled since (a step that drains first does so before the
             # boundary that lets a cancelled request go): its row's token is not its
@@ -378,6 +390,7 @@ class Scheduler:
             else:
                 req.stats.decode_s += dt
             emitted.append((req, self._emit(req, [tok], now)))
+        self.runner.read(kept)
         return emitted
 
     def _launch(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
