@@ -353,3 +353,4 @@ def test_prompts_skip_top_k_pre_where_no_tree_pays(queued, engine_dir, alone):
     assert (rows[:, 1:] == -1).all() if queued else (rows[:, 1:] >= 0).all()
     sched.run(reqs)
     assert all(r.out == alone[2] for r in reqs)
+    assert first.stats.summary()["top_k_pre"] is (not queued)  # the statistics say how its window started

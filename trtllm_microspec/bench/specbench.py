@@ -207,6 +207,8 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             rounds = sum(r.stats.get("rounds") or 0 for r in results)  # speculative rounds (no plain steps)
             s["acceptance_length"] = sum(r.stats.get("round_tokens") or 0 for r in results) / rounds if rounds \
                 else None
+            # MicroSpec windows started without top-K_pre: no tree paid at the batch their prompts joined
+            s["steps"]["no_top_k_pre"] = sum(1 for r in results if r.stats.get("top_k_pre") is False)
         if fallback:
             s["all_at_once"] = True
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
@@ -357,7 +359,9 @@ def markdown(res: dict) -> str:
                    "many in flight; its max_num_seqs = the largest level). Differ from AR: greedy requests "
                    "whose tokens are not AR's alone (fp32: none; bf16: near ties, as batch shapes change the sums; "
                    "- with --batched-only). Steps: our engine's steps (those with prompt chunks), target rows per "
-                   "step p50 / p99, requests preempted, host time per step p50 (ms)."), "",
+                   "step p50 / p99, requests preempted, host time per step p50 (ms); decoding steps per tree size "
+                   "(1: plain), and the MicroSpec prompts whose windows started without top-K_pre (no tree paid "
+                   "at the batch they joined)."), "",
                   "| method | concurrency | requests | req/s | output tok/s | TTFT from submission p50 | p90 | p99 (ms) "
                   "| ITL p50 | p90 | p99 (ms) | latency from submission p50 | p90 | p99 (ms) | differ from AR | "
                   "steps (mixed) | rows/step p50 / p99 | preempted | step ms p50 | acceptance | decoding steps per "
@@ -388,7 +392,8 @@ def tree_cell(st: dict | None) -> str:
     """{60: 812, 1: 40} -> "60: 812, 1: 40" (tree tokens: decoding steps); "-" for vLLM."""
     if not st or not st.get("tree_sizes"):
         return "-"
-    return ", ".join(f"{t}: {n}" for t, n in sorted(st["tree_sizes"].items(), key=lambda x: -int(x[0])))
+    cell = ", ".join(f"{t}: {n}" for t, n in sorted(st["tree_sizes"].items(), key=lambda x: -int(x[0])))
+    return cell + (f"; {st['no_top_k_pre']} prompts without top-K_pre" if st.get("no_top_k_pre") else "")
 
 
 def sampling_text(config: dict) -> str:

@@ -576,6 +576,9 @@ class SpecRunner(BatchRunner):
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
             nxt += after + [0] * (c - len(after))
         pre = self.window_pre and self.prompts_pay()
+        if self.window_pre:
+            for req, _ in chunks:  # (False once any of its prompt's passes went without)
+                req.stats.top_k_pre = pre and req.stats.top_k_pre is not False
         pad = self.packed_pad(chunks, decodes)
         p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes))], pad=pad)
         mode, R = self.sampler.mode(p.sample), len(p.sample)
