@@ -53,11 +53,33 @@ def tiny_target(max_seq_len: int = 4096) -> Transformer:
     return Transformer(cfg).setup(torch.float32, torch.device("cpu"))
 
 
-def make(batch: int, overlap: bool = False):
+def make(batch: int, overlap: bool = False, method: str = "ar"):
+    """method microspec: the speculative runner with the GPU's tree (60 tokens), a random EAGLE-2 head of the tiny
+    target's shape (its layer a no-op, as the target's are removed) and a 256-id window, every
+    decoding step plain (as under a load where no tree pays): what its plain and prompt steps cost the host beside
+    AR's."""
     t = tiny_target()
-    runner = runner_mod.BatchRunner(t, batch, kv_memory=1.0, max_num_tokens=runner_mod.DEFAULT_MAX_NUM_TOKENS["cuda"])
+    if method == "ar":
+        runner = runner_mod.BatchRunner(t, batch, kv_memory=1.0,
+                                        max_num_tokens=runner_mod.DEFAULT_MAX_NUM_TOKENS["cuda"])
+    else:
+        from trtllm_microspec.speculative.eagle import EagleDraft, draft_config
+        from trtllm_microspec.speculative.tree import TreeConfig
+        from trtllm_microspec.vocab.strategies import make_vocab
+        draft = EagleDraft(draft_config(t.cfg), bias=False).setup(t, torch.float32, torch.device("cpu"))
+        vocab = make_vocab(method, t.head_weight, [], w_max=256)
+        runner = runner_mod.SpecRunner(t, draft, vocab, TreeConfig(5, 10, 60), 3, 3, batch, kv_memory=1.0, k_tree=3)
+        runner.policy.choose = lambda reqs, rows: 0  # plain rows every step
+        draft.layers = nn.ModuleList([NoLayer()])  # the draft's fc alone: no attention run on the CPU's cores
     t.layers = nn.ModuleList()  # the forward: embedding, physical slots, position write, final norm
     return runner, sched_mod.Scheduler(runner, batch, overlap)
+
+
+class NoLayer(nn.Module):
+    """A decoder layer that adds nothing (the draft's, as the stub target's are removed)."""
+
+    def forward(self, res, delta, delta_norm, attn_args):
+        return res, torch.zeros_like(res)
 
 
 class Load:
@@ -177,11 +199,13 @@ def main() -> None:
     ap.add_argument("--op-steps", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true", help="print the top functions by own time too")
     ap.add_argument("--overlap", action="store_true", help="the scheduler's overlapped steps")
+    ap.add_argument("--method", default="ar", choices=["ar", "microspec"], help="microspec: the speculative "
+                    "runner's plain steps (see make)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     stub_timed()
     for B in map(int, a.batch.split(",")):
-        runner, sched = make(B, a.overlap)
+        runner, sched = make(B, a.overlap, a.method)
         load = Load(sched)
         with torch.no_grad():
             warm(load)
