@@ -260,8 +260,8 @@ def test_sampled_equals_ar_for_every_shape(engine_dir, random_draft_dir):
 def test_lazy_draft_state_equals_per_step(engine_dir):
     """Plain steps leave the draft alone (SpecRunner's lag buffer) and a round first catches it up in one causal
     pass: after 5 plain steps then a round, and 20 (past the buffer's 10 rows: a plain step catches up the full
-    buffer; a request joining on the way makes a step with its prompt chunk beside the plain decode row, which
-    catches the draft up before its packed draft pass) then a round, the draft's KV at every committed position
+    buffer; a request joining on the way makes a step with its prompt chunk beside the plain decode row, whose
+    draft row joins the lag buffer as a decode-only plain step's) then a round, the draft's KV at every committed position
     and its h_last are those of a runner that catches up after every plain step (lag_max 1: each plain step's
     catch-up row alone, as the per-step path ran it), to fp32 rounding (a GEMM of L rows vs one: ~1e-6); both
     give AR's tokens, the rounds accept the same and leave the same MicroSpec window."""
@@ -296,7 +296,9 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
                              runner.h_last[req.slot].clone(), list(req.out), runner.vocab.id_of[req.slot].clone()))
         assert not steps, "the request ended before the schedule did"
         runs.append((seen, lags))
-        assert mixed == [(2 if lazy else 1, 0)]  # the mixed step caught the draft up, its own row in the packed pass
+        # the mixed step's decode row is a plain step: its draft row joins the lag buffer (the per-step runner's
+        # full buffer of 1 is caught up first)
+        assert mixed == [(2, 3) if lazy else (1, 1)]
     (lazy, lazy_lags), (eager, eager_lags) = runs
     assert max(lazy_lags) == lag_max and max(eager_lags) == 1  # the lazy runner's buffer filled; the other's never
     assert len(lazy) == len(eager) == 4

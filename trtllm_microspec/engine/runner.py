@@ -528,12 +528,12 @@ class SpecRunner(BatchRunner):
             if self.window_pre else None
         # what the host reads after a round, per row: accepted k, vocabulary size, covered, emitted tokens
         self.out = torch.zeros(max_batch, 3 + tree.max_path, dtype=torch.long, device=dev)
-        # The lazy draft: a plain decode-only step is AR's step (BatchRunner._decode) and leaves the draft alone; it
-        # keeps, per batch slot, the target's feature of its row and the token it emitted (the draft's input of the
-        # catch-up row the step would have run) in a lag buffer, at the row's index `lag`. A request's next round
-        # (or a plain step that finds some buffer full, or a mixed step) first runs the draft over its pending rows
-        # in one causal pass (`_catch_up`): the draft's KV at those positions and h_last as the per-step catch-up
-        # makes them. LAG <= reserve: a catch-up's padding rows (past a row's lag) write draft KV slots at most
+        # The lazy draft: a plain step is AR's step (BatchRunner._decode, or a decode row beside prompt chunks) and
+        # leaves the draft alone; it keeps, per batch slot, the target's feature of its row and the token it emitted
+        # (the draft's input of the catch-up row the step would have run) in a lag buffer, at the row's index `lag`.
+        # A request's next round (or a plain step that finds some buffer full) first runs the draft over its
+        # pending rows in one causal pass (`_catch_up`): the draft's KV at those positions and h_last as the
+        # per-step catch-up makes them. LAG <= reserve: a catch-up's padding rows (past a row's lag) write draft KV slots at most
         # `reserve` past the committed length, which the round overwrites before reading (as a tree's expansions).
         self.lag_max = max(1, min(LAG, self.reserve))
         taps = getattr(draft, "taps", None)  # EAGLE-3: its features are the target's tapped layers, side by side
@@ -568,9 +568,13 @@ class SpecRunner(BatchRunner):
         """One target pass and one draft pass over the packed chunks and plain decode rows (`_packed`), replayed
         from a CUDA graph per (rows bucket, sampled rows bucket, sampling mode) up to graph_rows rows, as AR's. Then,
         eagerly (their sizes vary), the windows of every prompt the pass completes start together, from their
-        prompts and top-K_pre, and the decode rows' top-K_ver wait for their requests' next rounds."""
-        if decodes and max(self.lags[r.slot] for r in decodes):  # the draft over each decode's pending rows first
+        prompts and top-K_pre. The decode rows are plain steps as a decode-only one's: each one's draft row (its
+        feature, token and top-K_ver) joins its lag buffer for its request's next round (a full buffer is caught
+        up first, eagerly)."""
+        lags = [self.lags[r.slot] for r in decodes]
+        if decodes and max(lags) == self.lag_max:
             self.catch_up(decodes)
+            lags = [0] * len(decodes)
         nxt = []
         for req, c in chunks:
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
@@ -580,7 +584,9 @@ class SpecRunner(BatchRunner):
             for req, _ in chunks:  # (False once any of its prompt's passes went without)
                 req.stats.top_k_pre = pre and req.stats.top_k_pre is not False
         pad = self.packed_pad(chunks, decodes)
-        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes))], pad=pad)
+        # per row: the draft's next token (a prompt's), and a decode row's lag + 1 (0: a prompt's row)
+        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)), longs([0] * len(nxt) + [x + 1 for x in lags])],
+                      pad=pad)
         mode, R = self.sampler.mode(p.sample), len(p.sample)
         if pad:
             if pad not in self.spec_out:
@@ -598,8 +604,8 @@ class SpecRunner(BatchRunner):
             else:
                 prompt, topk = None, None
             self.vocab.start(p.slot[:n], prompt, topk, None if self.vocab.use_prompt else ver[:n])
-        if decodes:  # after the chunks' part (Scheduler._run reruns the decodes alone if that fails)
-            self.vocab.defer(p.slot[len(p.ends):R], ver[len(p.ends):])
+        for r, lag in zip(decodes, lags):
+            self.lags[r.slot] = lag + 1
         self.vocab.join()  # the new windows' packed rows, gathered on the copy stream
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
         for r in decodes:  # a plain step's one token is no acceptance: its size and why only
@@ -623,10 +629,12 @@ class SpecRunner(BatchRunner):
     def _packed(self, p: Packed, mode: str, pre: bool = True) -> torch.Tensor:
         """`packed`'s device work, what its graph replays: the target's pass, every row's top-K_pre into
         prompt_rows (-1 without `pre`: prompts_pay; a decode's or padding row's lands at its own pool slot, past
-        any prompt: never read), each sampled row's token and top-K_ver, and the draft's pass. The draft at row i reads the target's feature
-        there and token i + 1: the prompt's next one, or the token sampled in this pass (a prompt's last row: its
-        first token; a decode row: the token it emits, as a plain round's catch-up), so a chunk needs nothing from
-        the next one. Returns [sampled rows, 1 + k_ver]: each one's token, then its top-K_ver."""
+        any prompt: never read), each sampled row's token and top-K_ver, and the draft's pass. The draft at row i
+        reads the target's feature there and token i + 1: the prompt's next one, or its first token sampled in
+        this pass at its last row, so a chunk needs nothing from the next one; that row's draft hidden starts the
+        request's first round (h_last). A decode row is a plain step (`_plain`): its feature, token and top-K_ver
+        go to its lag buffer at its lag (extra[1] - 1); the draft pass's output there is not used (its draft KV is
+        rewritten by the catch-up). Returns [sampled rows, 1 + k_ver]: each one's token, then its top-K_ver."""
         t, d = self.target, self.draft
         h = t(p.tokens, self.positions(p.slots), p.slots, p.spans, cache=self.cache)
         feat = d.features(h)  # the target's hidden (EAGLE-2) or its three layers (EAGLE-3) of this pass
@@ -644,8 +652,16 @@ class SpecRunner(BatchRunner):
         dh = d.hidden(nxt, feat, self.positions(p.slots), p.slots, p.spans, cache=self.dcache)
         if tok is None:
             return torch.zeros(0, 1 + self.k_ver, dtype=torch.long, device=self.device)
-        self.h_last[p.slot] = dh[p.rows]
-        return torch.cat([tok[:, None], t.topk(logits, self.k_ver)], 1)
+        lag1 = p.extra[1].index_select(0, p.rows)
+        dec = lag1 > 0  # a decode row (else a prompt's last row, or padding): the other kind writes the padding slot
+        self.h_last.index_put_((torch.where(dec, self.pad, p.slot),), dh[p.rows])
+        ver = t.topk(logits, self.k_ver)
+        at = (torch.where(dec, p.slot, self.pad), (lag1 - 1).clamp(min=0))
+        self.lag_feat.index_put_(at, feat[p.rows])
+        self.lag_tok.index_put_(at, tok)
+        if self.vocab.takes_ids:
+            self.lag_ver.index_put_(at, ver)
+        return torch.cat([tok[:, None], ver], 1)
 
     def prompts(self, slots: torch.Tensor, lens: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts [B, L] and their rows' top-K_pre ids [B, L * k_pre], -1 padded, of the requests in batch
@@ -777,8 +793,8 @@ class SpecRunner(BatchRunner):
         self.calibrated = True
 
     def catch_up(self, reqs: list) -> None:
-        """Eagerly, the draft over the pending rows of `reqs` (a mixed step's decodes, whose draft row runs in the
-        packed pass): their draft KV and h_last as after per-step catch-up rows; their lags back to 0."""
+        """Eagerly, the draft over the pending rows of `reqs` (a mixed step's decodes, one of whose lag buffers is
+        full): their draft KV and h_last as after per-step catch-up rows; their lags back to 0."""
         B = len(reqs)
         S, _ = self.prepare(reqs, B, [[self.lags[r.slot] for r in reqs]])
         L = max(self.lags[r.slot] for r in reqs)
