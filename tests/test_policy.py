@@ -261,9 +261,9 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
     """Plain steps leave the draft alone (SpecRunner's lag buffer) and a round first catches it up in one causal
     pass: after 5 plain steps then a round, and 20 (past the buffer's 10 rows: a plain step catches up the full
     buffer; a request joining on the way makes a step with its prompt chunk beside the plain decode row, whose
-    draft row joins the lag buffer as a decode-only plain step's) then a round, the draft's KV at every committed position
-    and its h_last are those of a runner that catches up after every plain step (lag_max 1: each plain step's
-    catch-up row alone, as the per-step path ran it), to fp32 rounding (a GEMM of L rows vs one: ~1e-6); both
+    draft row joins the lag buffer as a decode-only plain step's) then a round, the draft's KV at every committed
+    position and its h_last are those of a runner that catches up after every plain step (lag_max 1: each plain
+    step's catch-up row alone, as the per-step path ran it), to fp32 rounding (a GEMM of L rows vs one: ~1e-6); both
     give AR's tokens, the rounds accept the same and leave the same MicroSpec window."""
     schedule = [0] * 5 + [2] + [0] * 20 + [2] * 3
     runs = []

@@ -478,10 +478,10 @@ class SpecRunner(BatchRunner):
     host read but the one of its results, captured in a CUDA graph per (shape, rows bucket, head slots bucket, span
     bucket, sampling mode, catch-up rows bucket); padding rows leave every window as it is. A plain decode-only
     step, like AR's, may be launched before the step in flight is read (Scheduler overlap: `overlappable`); a round
-    or a pass with prompt chunks reads it first. The draft is called through `draft.cfg` (the shapes of the KV pool allocated for it),
-    `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)` (its input feature from
-    the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and `draft.head_in(h)` (the
-    vocabulary head's input) only. A step with prompt chunks packs them as AR does (BatchRunner.pack, no padding
+    or a pass with prompt chunks reads it first. The draft is called through `draft.cfg` (the shapes of the KV
+    pool allocated for it), `draft.hidden(tokens, features, positions, slots, span, cache=)`, `draft.features(h)`
+    (its input feature from the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and
+    `draft.head_in(h)` (the vocabulary head's input) only. A step with prompt chunks packs them as AR does (BatchRunner.pack, no padding
     rows, under the token budget alone; graphed up to graph_rows) and runs the draft over the same rows, and the
     LM head's top-K_pre over them where the batch is small enough for speculation to pay (`prompts_pay`); when the
     step's shape is plain, the decode rows go into the same target and draft pass; a tree's round runs after the
@@ -533,8 +533,9 @@ class SpecRunner(BatchRunner):
         # (the draft's input of the catch-up row the step would have run) in a lag buffer, at the row's index `lag`.
         # A request's next round (or a plain step that finds some buffer full) first runs the draft over its
         # pending rows in one causal pass (`_catch_up`): the draft's KV at those positions and h_last as the
-        # per-step catch-up makes them. LAG <= reserve: a catch-up's padding rows (past a row's lag) write draft KV slots at most
-        # `reserve` past the committed length, which the round overwrites before reading (as a tree's expansions).
+        # per-step catch-up makes them. LAG <= reserve: a catch-up's padding rows (past a row's lag) write draft KV
+        # slots at most `reserve` past the committed length, which the round overwrites before reading (as a tree's
+        # expansions).
         self.lag_max = max(1, min(LAG, self.reserve))
         taps = getattr(draft, "taps", None)  # EAGLE-3: its features are the target's tapped layers, side by side
         fdim = target.cfg.hidden_size * (len(taps) if taps else 1)
@@ -585,8 +586,8 @@ class SpecRunner(BatchRunner):
                 req.stats.top_k_pre = pre and req.stats.top_k_pre is not False
         pad = self.packed_pad(chunks, decodes)
         # per row: the draft's next token (a prompt's), and a decode row's lag + 1 (0: a prompt's row)
-        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)), longs([0] * len(nxt) + [x + 1 for x in lags])],
-                      pad=pad)
+        p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)),
+                                        longs([0] * len(nxt) + [x + 1 for x in lags])], pad=pad)
         mode, R = self.sampler.mode(p.sample), len(p.sample)
         if pad:
             if pad not in self.spec_out:
@@ -604,11 +605,10 @@ class SpecRunner(BatchRunner):
             else:
                 prompt, topk = None, None
             self.vocab.start(p.slot[:n], prompt, topk, None if self.vocab.use_prompt else ver[:n])
-        for r, lag in zip(decodes, lags):
-            self.lags[r.slot] = lag + 1
         self.vocab.join()  # the new windows' packed rows, gathered on the copy stream
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
-        for r in decodes:  # a plain step's one token is no acceptance: its size and why only
+        for r, lag in zip(decodes, lags):  # a plain step's one token is no acceptance: its size and why only
+            self.lags[r.slot] = lag + 1
             self.count_step(r.stats, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
@@ -656,11 +656,7 @@ class SpecRunner(BatchRunner):
         dec = lag1 > 0  # a decode row (else a prompt's last row, or padding): the other kind writes the padding slot
         self.h_last.index_put_((torch.where(dec, self.pad, p.slot),), dh[p.rows])
         ver = t.topk(logits, self.k_ver)
-        at = (torch.where(dec, p.slot, self.pad), (lag1 - 1).clamp(min=0))
-        self.lag_feat.index_put_(at, feat[p.rows])
-        self.lag_tok.index_put_(at, tok)
-        if self.vocab.takes_ids:
-            self.lag_ver.index_put_(at, ver)
+        self._keep((torch.where(dec, p.slot, self.pad), (lag1 - 1).clamp(min=0)), feat[p.rows], tok, logits, ver)
         return torch.cat([tok[:, None], ver], 1)
 
     def prompts(self, slots: torch.Tensor, lens: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -683,8 +679,8 @@ class SpecRunner(BatchRunner):
     def decode(self, reqs: list) -> list[list[int]]:
         """One step for the batch in the planned shape: a draft / verify / update round, or plain decode rows
         (AR's step, the draft's catch-up rows kept for the next round: `_plain`)."""
-        shape, t0 = self._launch_decode(reqs)
-        B, Bb = len(reqs), batch_bucket(len(reqs), self.max_batch)
+        shape, Bb, t0 = self._launch_decode(reqs)
+        B = len(reqs)
         if self.shapes[shape] is None:  # AR's step: its tokens alone
             res = [[0, 0, 0, tok] for tok in self.next[:B].tolist()]  # the one host read per step
         else:
@@ -707,9 +703,9 @@ class SpecRunner(BatchRunner):
             out.append(emitted[:k + 1])
         return out
 
-    def _launch_decode(self, reqs: list) -> tuple[int, float | None]:
-        """`decode`'s step launched, nothing read: its shape, and when it started where its time is a step's
-        cost (None: a graph's first use)."""
+    def _launch_decode(self, reqs: list) -> tuple[int, int, float | None]:
+        """`decode`'s step launched, nothing read: its shape, its rows bucket, and when it started where its time
+        is a step's cost (None: a graph's first use)."""
         B = len(reqs)
         Bb = batch_bucket(B, self.max_batch)
         shape = parallel.agree(self.policy.choose(reqs, Bb), self.device) if self.planned is None else self.planned
@@ -728,7 +724,7 @@ class SpecRunner(BatchRunner):
         self.launch(key, lambda: self._round(shape, Bb, top, S, mode, Lb))
         for r in reqs:
             self.lags[r.slot] = (1 if Lb else self.lags[r.slot] + 1) if plain else 0
-        return shape, t0 if timed else None
+        return shape, Bb, t0 if timed else None
 
     def overlappable(self, chunks: list[tuple], decodes: list) -> bool:
         """A plain decode-only step is AR's step: its lengths are known before its tokens, so it may be launched
@@ -741,8 +737,8 @@ class SpecRunner(BatchRunner):
         """An overlappable step (a plain one) launched, as BatchRunner's: the requests are left as they are, the
         scheduler advances them and reads the tokens later. Its time is no step's cost (the host does not wait
         for it): the policy sees only its plain step (PROBE)."""
-        shape, _ = self._launch_decode(decodes)
-        self.policy.observe(decodes, shape, batch_bucket(len(decodes), self.max_batch), [1] * len(decodes), None)
+        shape, Bb, _ = self._launch_decode(decodes)
+        self.policy.observe(decodes, shape, Bb, [1] * len(decodes), None)
         self.whys.append(self.policy.why)  # counted when its tokens are read (`read`)
         return self.launched([(r, False) for r in decodes], self.next[:len(decodes)])
 
@@ -834,10 +830,16 @@ class SpecRunner(BatchRunner):
             self.h_last[slots] = self._catch_up(Bb, Lb, S, table)
             lag = self.steps[:1].expand(Bb)  # zero
         h, logits = self._decode(Bb, S, mode)
-        self.lag_feat.index_put_((slots, lag), self.draft.features(h))
-        self.lag_tok.index_put_((slots, lag), self.next[:Bb])
+        self._keep((slots, lag), self.draft.features(h), self.next[:Bb], logits)
+
+    def _keep(self, at: tuple, feat: torch.Tensor, tok: torch.Tensor, logits: torch.Tensor,
+              ver: torch.Tensor | None = None) -> None:
+        """Plain steps' rows into their lag buffers at `at` (batch slots, lag indices): each one's target feature,
+        emitted token and verified top-K_ver ids (`ver`, else from its logits)."""
+        self.lag_feat.index_put_(at, feat)
+        self.lag_tok.index_put_(at, tok)
         if self.vocab.takes_ids:  # (under --tp: the top-K over the ranks' vocabulary slices)
-            self.lag_ver.index_put_((slots, lag), self.target.topk(logits, self.k_ver))
+            self.lag_ver.index_put_(at, self.target.topk(logits, self.k_ver) if ver is None else ver)
 
     def _round(self, shape: int, Bb: int, top: int, S: int, mode: str, Lb: int) -> None:
         if self.shapes[shape] is None:

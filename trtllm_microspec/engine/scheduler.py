@@ -377,8 +377,7 @@ class Scheduler:
         dt = now - p.t_launch
         for req, _ in p.chunks:
             req.stats.prefill_s += dt
-        emitted = []
-        kept = [req for req, first in p.rows if not (first or req.done or req.cancelled)]  # decodes with a token
+        emitted, kept = [], []  # kept: the decode rows whose token is their request's
         for (req, first), tok in zip(p.rows, p.tokens.tolist()):
             # finished at the step before, or cancelled since (a step that drains first does so before the
             # boundary that lets a cancelled request go): its row's token is not its
@@ -389,6 +388,7 @@ class Scheduler:
                 req.t_first = req.t_first or now  # a recomputed request had its first token
             else:
                 req.stats.decode_s += dt
+                kept.append(req)
             emitted.append((req, self._emit(req, [tok], now)))
         self.runner.read(kept)
         return emitted
