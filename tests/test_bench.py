@@ -109,12 +109,27 @@ def test_questions():
                                   ["--concurrency", "2", "--methods", "ar,hf"],
                                   ["--methods", "ar,microspec@sometimes"], ["--concurrency", "0"],
                                   ["--concurrency", "2,x"],
-                                  ["--concurrency", "2", "--tp", "2"], ["--server", "127.0.0.1:1"]])
+                                  ["--concurrency", "2", "--tp", "2"], ["--server", "127.0.0.1:1"],
+                                  ["--requests", "5"], ["--concurrency", "2", "--requests", "0"],
+                                  ["--concurrency", "2", "--requests", "5", "--requests-per-level", "1"]])
 def test_bad_input(args, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--out", str(tmp_path), *args])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "microspec: error:" in err and len(err.strip().splitlines()) == 1
+
+
+def test_level_questions():
+    """A level's first turns: all; --requests-per-level K the first K x c; --requests N exactly N, repeated past the
+    last; both round-robin over the categories."""
+    from argparse import Namespace
+
+    from trtllm_microspec.bench.specbench import level_questions
+    qs = [{"qid": f"{c}{i}", "category": c} for c in "ab" for i in range(3)]
+    ids = lambda k=None, n=None, c=2: [q["qid"] for q in level_questions(qs, Namespace(requests_per_level=k, requests=n), c)]  # noqa: E731
+    assert ids() == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    assert ids(k=1) == ["a0", "b0"] and ids(k=2, c=4) == ["a0", "b0", "a1", "b1", "a2", "b2"]
+    assert ids(n=3) == ["a0", "b0", "a1"] and ids(n=8) == ["a0", "b0", "a1", "b1", "a2", "b2", "a0", "b0"]
 
 
 def test_inter_token_latency_on_fixed_times():

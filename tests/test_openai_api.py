@@ -427,10 +427,10 @@ def test_load_and_bench_over_openai(served, tmp_path, capsys):
         json.dumps({"question_id": i, "category": "translation", "turns": [t]}) + "\n"
         for i, t in enumerate(["Translate to French: good morning.", "Translate to German: thank you."])))
     main(["bench", "--server", served.url, "--concurrency", "1,2", "--categories", "translation", "--data", str(data),
-          "--max-new-tokens", "6", "--warmup", "0", "--out", str(tmp_path)])
-    res = json.loads((tmp_path / "results.json").read_text())
-    assert [(x["concurrency"], x["completed"], x["errors"]) for x in res["levels"]] == [(1, 2, []), (2, 2, [])]
-    assert "| 2 | 2/2 |" in (tmp_path / "results.md").read_text()
+          "--max-new-tokens", "6", "--warmup", "0", "--requests", "3", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())  # --requests 3 of the 2 questions: one repeated
+    assert [(x["concurrency"], x["completed"], x["errors"]) for x in res["levels"]] == [(1, 3, []), (2, 3, [])]
+    assert res["levels"][1]["output_tokens"] == 18 and "| 2 | 3/3 |" in (tmp_path / "results.md").read_text()
     with pytest.raises(SystemExit) as e:
         main(["client", "--url", served.url, "--prompt", "Hi", "--end-id", "3"])
     assert e.value.code == 2 and "end_id is not part of the OpenAI API" in capsys.readouterr().err

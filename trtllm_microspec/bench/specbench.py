@@ -145,6 +145,24 @@ def converse(model, questions: list[dict], a, cuda: bool, sampling: dict, label:
     return records, ids
 
 
+def level_questions(questions: list[dict], a, c: int) -> list[dict]:
+    """The first turns level c decodes: every question's; with --requests-per-level K the first K x c of them, with
+    --requests N exactly N, taken in turn and repeated past the last (neither system caches prefixes here, so a
+    repeat costs what a new prompt does). Both take them round-robin over the categories, so that every level
+    samples all of them."""
+    k, n = getattr(a, "requests_per_level", None), getattr(a, "requests", None)
+    if not (k or n):
+        return questions
+    rank: dict[str, int] = defaultdict(int)
+    order = []
+    for i, q in enumerate(questions):
+        order.append((rank[q["category"]], i))
+        rank[q["category"]] += 1
+    every = [questions[i] for _, i in sorted(order)]
+    n = min(k * c, len(every)) if k else n
+    return [every[i % len(every)] for i in range(n)]
+
+
 def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_ids: dict | None) -> list[dict]:
     """--concurrency: every question's first turn submitted at once, at most `c` in flight for each c of the list
     (the rest wait for a slot, and join as others finish): throughput and per-request times per level. Our batched
@@ -155,19 +173,11 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
     ITL comes from the times each step's tokens reached the host (Result.emits). ar_ids (greedy): AR's tokens per
     (qid, turn), which each request of a batch must emit alone; its level counts those that differ (None without
     them: --batched-only)."""
-    every = questions
-    if getattr(a, "requests_per_level", None):  # round-robin over the categories: every level samples all of them
-        rank: dict[str, int] = defaultdict(int)
-        order = []
-        for q in questions:
-            order.append((rank[q["category"]], len(order)))
-            rank[q["category"]] += 1
-        every = [questions[i] for _, i in sorted(order)]
     ours = hasattr(model, "scheduler")
     out = []
+    every = questions
     for c in a.concurrency:
-        # --requests-per-level K: the first K x c first turns at level c (a low level finishes in seconds)
-        questions = every[:c * a.requests_per_level] if getattr(a, "requests_per_level", None) else every
+        questions = level_questions(every, a, c)
         prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
         if ours:
             model.scheduler().max_batch = c  # the runner is sized for the largest level
@@ -200,8 +210,9 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         s = batch_summary(questions, results, t0, wall, c)
-        s["mismatches"] = None if not ar_ids else len(
-            compare({(q["qid"], 0): r.token_ids for q, r in zip(questions, results)}, ar_ids))
+        # every request against AR's tokens for its question (a repeat of --requests too)
+        s["mismatches"] = None if not ar_ids else sum(r.token_ids != ar_ids[q["qid"], 0]
+                                                      for q, r in zip(questions, results))
         if ours:
             s["steps"] = step_summary(model.scheduler())
             rounds = sum(r.stats.get("rounds") or 0 for r in results)  # speculative rounds (no plain steps)
@@ -435,6 +446,8 @@ def cmd_bench(a) -> None:
         raise UserError("--server measures a running server under load: give --concurrency too")
     if a.requests_per_level is not None and (a.requests_per_level < 1 or not a.concurrency):
         raise UserError("--requests-per-level must be at least 1, with --concurrency")
+    if a.requests is not None and (a.requests < 1 or not a.concurrency or a.requests_per_level):
+        raise UserError("--requests must be at least 1, with --concurrency and without --requests-per-level")
     if a.batched_only and not a.concurrency:
         raise UserError("--batched-only measures the --concurrency levels only: give --concurrency")
     if a.concurrency is not None and not a.server:
@@ -510,12 +523,12 @@ def served_load(a, questions: list[dict], sampling: dict, out: Path) -> None:
     (`microspec client` load mode's report), so that both APIs can be compared on the same server and prompts."""
     from ..serving.client import load
 
-    prompts = [q["turns"][0] for q in questions]
     # the model's sampling inputs (TensorRT-LLM's names); greedy: none
     kw = dict(chat=True, stream=True, sampling={("random_seed" if k == "seed" else k): v
                                                 for k, v in sampling.items() if v is not None})
     res = {"config": {k: v for k, v in vars(a).items() if k != "func"}, "server": a.server, "levels": []}
     for c in a.concurrency:
+        prompts = [q["turns"][0] for q in level_questions(questions, a, c)]
         if a.warmup:  # the same requests once, unmeasured: the server captures the CUDA graphs they need
             load(a.server, prompts, c, len(prompts), a.max_new_tokens, **kw)
         r = load(a.server, prompts, c, len(prompts), a.max_new_tokens, **kw)
@@ -526,7 +539,7 @@ def served_load(a, questions: list[dict], sampling: dict, out: Path) -> None:
         res["levels"].append(r)
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     ms = lambda p: " | ".join(_fmt(p[k] and p[k] * 1e3, ".1f") for k in ("p50", "p90", "p99"))  # noqa: E731
-    lines = [f"# {len(prompts)} Spec-Bench first turns against {a.server}", "",
+    lines = [f"# Spec-Bench first turns against {a.server}", "",
              f"max_new_tokens {a.max_new_tokens}, {sampling_text(res['config'])}, chat template, streamed; times "
              "seen by the client (TTFT from sending; ITL: a request's (last piece - first piece) / (tokens - 1)).", "",
              "| concurrency | completed | req/s | output tok/s | TTFT p50 | p90 | p99 (ms) | ITL p50 | p90 | p99 (ms) | "
@@ -606,6 +619,8 @@ def register(sub) -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)
     p.add_argument("--requests-per-level", type=int, help="with --concurrency: level c decodes only the first "
                    "c x this many first turns (default: all of them at every level)")
+    p.add_argument("--requests", type=int, help="with --concurrency: every level decodes this many first turns, "
+                   "the selected ones in turn, repeated past the last (issue 36's 1,000-request load)")
     p.add_argument("--batched-only", action="store_true", help="with --concurrency: only the batched levels, no "
                    "request-at-a-time run per question (a load sweep in minutes; no per-category tables, and no "
                    "comparison with AR alone)")
