@@ -48,7 +48,7 @@ def sync(llm: LLM) -> None:
         torch.cuda.synchronize()
 
 
-def run(llm: LLM, ids, budgets, params) -> tuple[list[list[int]], float, int]:
+def run(llm: LLM, ids, budgets, params) -> tuple[list[list[int]], float, int, dict]:
     sched = llm.scheduler()
     sched.history.clear()
     reqs = [sched.add(p, m, s) for p, m, s in zip(ids, budgets, params)]
@@ -59,7 +59,9 @@ def run(llm: LLM, ids, budgets, params) -> tuple[list[list[int]], float, int]:
     wall = time.perf_counter() - t0
     sched.step()  # the boundary after the last step (and the step in flight read)
     assert sched.idle and sched.blocks.used == 0, "blocks left held"
-    return [r.out for r in reqs], wall, len(sched.history) - 1
+    trees = {t: sum(1 for r in sched.history if r.tokens and r.tree == t) for t in sorted({r.tree for r in sched.history
+                                                                                      if r.tokens and r.tree})}
+    return [r.out for r in reqs], wall, len(sched.history) - 1, trees
 
 
 def logit_gap(llm: LLM, prefix: list[int], a: int, b: int) -> float:
@@ -106,12 +108,16 @@ def main() -> None:
         else:
             sched.runner.graph_rows = GRAPHED_ROWS if on else 0
         run(llm, ids, budgets, params)  # warm: every graph bucket captured
-        out, wall, steps = run(llm, ids, budgets, params)
+        out, wall, steps, trees = run(llm, ids, budgets, params)
         outs[on] = out
         tokens = sum(map(len, out))
+        # steps per tree size (1: plain): `auto` picks from measured step times, so two runs can pick differently,
+        # and a sampled request's draws then differ (each is the target's distribution, not the same draw);
+        # greedy requests must be equal whatever was picked
         print(f"{a.compare} {'on ' if on else 'off'}: {tokens} tokens in {wall:.2f} s = {tokens / wall:,.0f} output "
-              f"tok/s, {steps} steps ({wall / steps * 1e3:.2f} ms a step)", flush=True)
+              f"tok/s, {steps} steps ({wall / steps * 1e3:.2f} ms a step); steps per tree size {trees}", flush=True)
     diff = [i for i, (x, y) in enumerate(zip(outs[False], outs[True])) if x != y]
+    print(f"greedy outputs equal with {a.compare} on and off: {not [i for i in diff if params[i].greedy]}")
     print(f"outputs equal with {a.compare} on and off: {not diff}" + (f" ({len(diff)} differ, first {diff[:8]})"
                                                                         if diff else ""))
     for i in diff[:8]:

@@ -69,7 +69,7 @@ def test_ar_batch_equals_alone(ar, alone, monkeypatch, graphed):
     assert max(sum(c) + d for c, d in passes) == 24, passes
     assert any(len(set(c)) > 1 for c, _ in passes)  # chunks of different lengths in one pass
     assert any(c and d for c, d in passes)  # prompt chunks and decode rows in one pass
-    assert all(Mb == 128 for Mb, _ in sched.runner.static) and bool(sched.runner.static) == graphed
+    assert all(Mb == 128 for Mb, _, _ in sched.runner.static) and bool(sched.runner.static) == graphed
 
 
 def test_generate_list(ar, alone):

@@ -207,10 +207,10 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
         cells = [c.strip() for c in r.split("|")[1:-1]]
         assert "-" not in cells[:19] and (cells[19] == "-") == (cells[0] == "ar"), cells
         assert cells[20].startswith("1: " if cells[0] == "ar" else "8: ") and "," not in cells[20], cells
-    # every microspec window started from its prompt's top-K_pre (fixed: a tree always pays); the cell says when not
-    assert [b["steps"]["no_top_k_pre"] for b in res["runs"]["microspec"]["batched"]] == [0, 0]
+    # every microspec request speculated (fixed: a tree always pays); the cell says how many decoded as AR's
+    assert [b["steps"]["as_ar"] for b in res["runs"]["microspec"]["batched"]] == [0, 0]
     from trtllm_microspec.bench.specbench import tree_cell
-    assert tree_cell({"tree_sizes": {1: 5, 60: 3}, "no_top_k_pre": 2}) == "60: 3, 1: 5; 2 prompts without top-K_pre"
+    assert tree_cell({"tree_sizes": {1: 5, 60: 3}, "as_ar": 2}) == "60: 3, 1: 5; 2 requests as AR's"
 
 
 # ---- outside references: hf-compiled on the CPU, the conversions vLLM loads (vLLM itself runs on the GPU only)

@@ -332,11 +332,12 @@ def test_round_variants_are_two(engine_dir):
 
 
 @pytest.mark.parametrize("queued", [False, True])
-def test_prompts_skip_top_k_pre_where_no_tree_pays(queued, engine_dir, alone):
-    """Calibrated costs by which a tree pays for one request and not for two: a prompt that joins alone computes
-    its top-K_pre (prompt_rows: its ids, then the target's top ids at each row); one with a second request queued
-    behind it (the token budget holds one prompt a step) joins a batch of two, where no tree pays: its pass
-    computes none (-1) and its window starts from its ids. AR's tokens either way."""
+def test_requests_decode_as_ar_where_no_tree_pays(queued, engine_dir, alone):
+    """Calibrated costs by which a tree pays for one request and not for two: a prompt that joins alone
+    speculates (its pass computes its top-K_pre: prompt_rows holds its ids, then the target's top ids at each row;
+    it runs rounds); one with a second request queued behind it (the token budget holds one prompt a step) joins a
+    batch of two, where no tree pays: both decode as AR's to their ends -- only AR's passes launched (its graph
+    keys), no prompt row written, no round, no lag -- with AR's tokens, and the statistics say so."""
     p, chat, m = CASES[2]
     llm = LLM(engine_dir, "microspec", device="cpu", max_batch=2, max_num_tokens=16, **SPEC)
     sched = llm.scheduler()
@@ -344,6 +345,8 @@ def test_prompts_skip_top_k_pre_where_no_tree_pays(queued, engine_dir, alone):
     runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 or rows == 1 else 10.0)
     runner.calibrate()
     assert runner.calibrated and runner.policy.pays(1, 1) and not runner.policy.pays(2, 2)
+    keys, launch = [], runner.launch
+    runner.launch = lambda key, fn: (keys.append(key), launch(key, fn))
     reqs = [sched.add(llm.prompt_ids(p), m) for _ in range(2 if queued else 1)]
     first = reqs[0]
     assert len(first.prompt) > 16  # two passes: the second request waits behind the first
@@ -351,8 +354,47 @@ def test_prompts_skip_top_k_pre_where_no_tree_pays(queued, engine_dir, alone):
         sched.step()
     cols = physical(runner.table[first.slot:first.slot + 1], torch.arange(len(first.prompt))[None])[0]
     rows = runner.prompt_rows[cols]
-    assert rows[:, 0].tolist() == first.prompt
-    assert (rows[:, 1:] == -1).all() if queued else (rows[:, 1:] >= 0).all()
+    if queued:  # AR's passes: nothing of the draft's
+        assert (rows == -1).all()
+    else:
+        assert rows[:, 0].tolist() == first.prompt and (rows[:, 1:] >= 0).all()
     sched.run(reqs)
     assert all(r.out == alone[2] for r in reqs)
-    assert first.stats.summary()["top_k_pre"] is (not queued)  # the statistics say how its window started
+    for r in reqs:
+        s = r.stats.summary()
+        assert s["speculative"] is (not queued)  # the statistics say whether it speculated
+        assert (s["rounds"] == 0 and set(s["tree_sizes"]) == {1} and s["plain_reasons"] == {"cost": s["plain_steps"]}
+                and s["plain_steps"] == len(r.out) - 1) if queued else s["rounds"] > 0
+    spec_keys = [k for k in keys if k[0] == "spec-packed" or len(k) == 6]  # the speculative runner's own passes
+    assert not spec_keys if queued else spec_keys
+    assert max(runner.lags) == 0 or not queued
+
+
+def test_request_as_ar_beside_one_that_speculates(engine_dir):
+    """The same costs: a request running alone speculates; a second one joining its batch (of two: no tree pays)
+    decodes as AR's. While both run every step is plain (one shape a step), the first one's rows going to its lag
+    buffer, the second's to none; once the second is done the first's rounds resume after a catch-up. Both emit
+    AR's tokens."""
+    p = CASES[0][0]
+    want = LLM(engine_dir, "ar", device="cpu").generate(p, 40).token_ids
+    assert len(want) == 40  # no EOS: a runs on after b is done
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=2, **SPEC)
+    sched = llm.scheduler()
+    runner = sched.runner
+    runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 or rows == 1 else 10.0)
+    runner.calibrate()
+    a = sched.add(llm.prompt_ids(p), 40)
+    while a.stats.rounds < 1:
+        sched.step()
+    b = sched.add(llm.prompt_ids(p), 6)
+    lags = []
+    while not b.done:
+        sched.step()
+        lags.append((runner.lags[a.slot], runner.lags[b.slot]))
+    rounds = a.stats.rounds
+    sched.run([a, b])
+    assert a.out == want and b.out == want[:6]
+    assert a.stats.speculative is True and b.stats.speculative is False
+    assert b.stats.rounds == 0 and set(b.stats.tree_sizes) == {1}
+    assert max(x for x, _ in lags) > 0 and all(y == 0 for _, y in lags)  # a's plain rows pend, b's never
+    assert a.stats.rounds > rounds and a.stats.plain_reasons.get("cost", 0) >= 5  # rounds again once b is done

@@ -218,8 +218,8 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             rounds = sum(r.stats.get("rounds") or 0 for r in results)  # speculative rounds (no plain steps)
             s["acceptance_length"] = sum(r.stats.get("round_tokens") or 0 for r in results) / rounds if rounds \
                 else None
-            # MicroSpec windows started without top-K_pre: no tree paid at the batch their prompts joined
-            s["steps"]["no_top_k_pre"] = sum(1 for r in results if r.stats.get("top_k_pre") is False)
+            # requests that decoded as AR's: no tree paid at the batch they joined (SpecRunner._admit)
+            s["steps"]["as_ar"] = sum(1 for r in results if r.stats.get("speculative") is False)
         if fallback:
             s["all_at_once"] = True
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
@@ -404,7 +404,7 @@ def tree_cell(st: dict | None) -> str:
     if not st or not st.get("tree_sizes"):
         return "-"
     cell = ", ".join(f"{t}: {n}" for t, n in sorted(st["tree_sizes"].items(), key=lambda x: -int(x[0])))
-    return cell + (f"; {st['no_top_k_pre']} prompts without top-K_pre" if st.get("no_top_k_pre") else "")
+    return cell + (f"; {st['as_ar']} requests as AR's" if st.get("as_ar") else "")
 
 
 def sampling_text(config: dict) -> str:

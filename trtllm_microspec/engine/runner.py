@@ -175,7 +175,8 @@ class BatchRunner:
         # buffer per (rows bucket, sampled rows bucket) that its graph reads, their tokens into one beside it
         packed = cuda_graphs and os.environ.get("MICROSPEC_PACKED_GRAPHS", "1") != "0"
         self.graph_rows = min(GRAPHED_ROWS, self.max_num_tokens) if packed else 0
-        self.static: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # a graphed packed pass's input buffers per (rows bucket, sampled rows bucket, extra rows)
+        self.static: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.G = c.num_heads // c.num_kv_heads
         # the head groupings (query heads a kv head) whose attention tile lists a graphed pass keeps: the target's,
         # and a draft's that attends over the same rows (SpecRunner.packed) if it groups its heads otherwise
@@ -252,7 +253,7 @@ class BatchRunner:
         if pad:  # padded to its bucket, through the bucket's graph (GRAPHED_ROWS)
             p = self.pack(chunks, decodes, pad=pad)
             mode = self.sampler.mode(p.sample)
-            out = self.static[pad][1]
+            out = self.static[(*pad, 0)][1]
             self.launch(("packed", *pad, mode), lambda: out.copy_(self._sample(p, mode)))
             return out[:len(p.sample)]
         p = self.pack(chunks, decodes)
@@ -342,13 +343,14 @@ class BatchRunner:
                 seqs += [(0, 0)] * (NS - len(seqs))
                 tiles += [(none, 0)] * (nt - len(tiles))
                 host += [longs([x for st in seqs for x in st]), longs([x for t in tiles for x in t])]
-            if pad not in self.static:
+            key = (Mb, Rb, len(extra))  # (a speculative runner's passes carry extra rows, its AR-like ones none)
+            if key not in self.static:
                 width = self.table.shape[1]
                 size = (3 + len(extra)) * Mb + 3 * Rb + 2 * NS + sum(2 * NS + 2 * nt for nt in NT)
-                self.static[pad] = (torch.zeros(size, dtype=torch.long, device=dev),
+                self.static[key] = (torch.zeros(size, dtype=torch.long, device=dev),
                                     torch.zeros(Rb, dtype=torch.long, device=dev),
                                     torch.zeros(NS, width, dtype=torch.long, device=dev))
-            buf, _, table_seq = self.static[pad]
+            buf, _, table_seq = self.static[key]
             host = torch.cat(host)
             buf.copy_(host.pin_memory() if dev.type == "cuda" else host, non_blocking=True)  # (as `upload`)
             parts = buf.split([Mb, Mb, Mb, *[Mb] * len(extra), Rb, Rb, Rb, NS, NS]
@@ -483,7 +485,8 @@ class SpecRunner(BatchRunner):
     (its input feature from the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and
     `draft.head_in(h)` (the vocabulary head's input) only. A step with prompt chunks packs them as AR does (BatchRunner.pack, no padding
     rows, under the token budget alone; graphed up to graph_rows) and runs the draft over the same rows, and the
-    LM head's top-K_pre over them where the batch is small enough for speculation to pay (`prompts_pay`); when the
+    LM head's top-K_pre over them; a request that joins a batch too big for any tree to pay decodes as AR's
+    (`_admit`), and a step of such requests alone is AR's step; when the
     step's shape is plain, the decode rows go into the same target and draft pass; a tree's round runs after the
     chunks' pass. A request's blocks are all taken when it joins: its window and draft state could not be
     recomputed token for token after a preemption, so none is preempted."""
@@ -546,16 +549,50 @@ class SpecRunner(BatchRunner):
         self.lags = [0] * (max_batch + 1)  # per batch slot on the host: its pending rows (the device reads inp[3])
         self.whys: deque[str] = deque()  # why each overlapped step in flight runs plain, oldest first (`read`)
         self.calibrated = False  # every step cost the policy weighs measured (calibrate): prompts_pay may use them
+        # per batch slot: whether its request speculates (decided at its prompt's first pass: `_admit`), None: not yet
+        self.speculates: list[bool | None] = [None] * (max_batch + 1)
 
     def join(self, req, blocks: list[int]) -> None:
         super().join(req, blocks)
         self.lags[req.slot] = 0
+        self.speculates[req.slot] = None
+
+    def _admit(self, chunks: list[tuple]) -> None:
+        """Whether each request whose prompt starts this step speculates: not where the batch it joins is too big
+        for any tree to pay (prompts_pay). Such a request decodes as AR's to its end -- AR's passes, its draft never
+        run, no window, no lag buffer -- so that a batch of them costs what AR's costs (at 64 and 256 requests on
+        the H100 the draft's prompt pass, lag buffers and catch-ups made microspec 0.67x / 0.90x AR while every
+        step but probes ran plain). Decided once: a request never speculates later, when its batch shrinks."""
+        new = [req for req, _ in chunks if self.speculates[req.slot] is None]
+        if new:
+            pay = self.prompts_pay()
+            for req in new:
+                self.speculates[req.slot] = req.stats.speculative = pay
+
+    def _as_ar(self, chunks: list[tuple], decodes: list) -> bool:
+        """Whether every request of this step decodes as AR's (`_admit`): then the step is AR's own."""
+        self._admit(chunks)
+        return all(self.speculates[r.slot] is False for r in [req for req, _ in chunks] + decodes)
+
+    def _choose(self, reqs: list, Bb: int) -> int:
+        """The policy's shape for a decode step of `reqs`: plain where any of them decodes as AR's (one shape a
+        step), and why ("cost": it joined where no tree paid)."""
+        if any(self.speculates[r.slot] is False for r in reqs):
+            self.policy.why = "cost"
+            return 0
+        return parallel.agree(self.policy.choose(reqs, Bb), self.device)
 
     def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
         """Without chunks, the (graph-captured) round of the planned shape. With chunks, one packed target pass and
         one draft pass over them, the decode rows in it too when the planned shape is plain; a planned tree's round
         runs after that pass (its verify rows are not merged into the packed pass: a tree's anc mask would be one
         more Span part, not done yet)."""
+        if self._as_ar(chunks, decodes):  # AR's step, its statistics as a plain step's
+            self.planned = None
+            firsts, decoded = BatchRunner.step(self, chunks, decodes)
+            for r in decodes:
+                self.count_step(r.stats, 1, "cost")
+            return firsts, decoded
         if not chunks:
             return [], self.decode(decodes) if decodes else []
         if decodes and self.planned is None:
@@ -580,10 +617,8 @@ class SpecRunner(BatchRunner):
         for req, c in chunks:
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
             nxt += after + [0] * (c - len(after))
-        pre = self.window_pre and self.prompts_pay()
-        if self.window_pre:
-            for req, _ in chunks:  # (False once any of its prompt's passes went without)
-                req.stats.top_k_pre = pre and req.stats.top_k_pre is not False
+        # top-K_pre where a prompt of the pass speculates (a pass of those that do not is AR's: `step`)
+        pre = self.window_pre and any(self.speculates[req.slot] for req, _ in chunks)
         pad = self.packed_pad(chunks, decodes)
         # per row: the draft's next token (a prompt's), and a decode row's lag + 1 (0: a prompt's row)
         p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)),
@@ -608,19 +643,16 @@ class SpecRunner(BatchRunner):
         self.vocab.join()  # the new windows' packed rows, gathered on the copy stream
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
         for r, lag in zip(decodes, lags):  # a plain step's one token is no acceptance: its size and why only
-            self.lags[r.slot] = lag + 1
+            self.lags[r.slot] = lag + 1 if self.speculates[r.slot] else 0  # (one decoding as AR's never catches up)
             self.count_step(r.stats, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
     def prompts_pay(self) -> bool:
-        """Whether the prompts of this pass start their windows from top-K_pre: not where the batch they join --
-        the running requests and those queued behind them (`queued`, the scheduler's), up to max_batch -- is too
-        big for any tree to pay at the calibrated costs (policy.pays). Then those requests would decode plainly,
-        as AR, and the LM head over every prompt row (a GEMM of rows x V, and a top-k of it, beside a pass that
-        does neither for AR) would be paid for nothing; their windows start from the prompts' ids, and join the
-        target's top-K_ver as any window does if the batch later shrinks enough for their rounds to pay. Only
-        with the costs calibrated (calibrate: at start-up on CUDA); without (the CPU's, measured on first need by
-        timings that vary run to run), every prompt takes its top-K_pre."""
+        """Whether the requests whose prompts start now speculate (`_admit`): not where the batch they join -- the
+        running requests and those queued behind them (`queued`, the scheduler's), up to max_batch -- is too big
+        for any tree to pay at the calibrated costs (policy.pays). Only with the costs calibrated (calibrate: at
+        start-up on CUDA); without (the CPU's, measured on first need by timings that vary run to run), every
+        request speculates."""
         if not self.calibrated:
             return True
         n = min(self.max_batch, self.max_batch - len(self.free_slots) + self.queued)
@@ -672,7 +704,7 @@ class SpecRunner(BatchRunner):
     def plan(self, reqs: list) -> int:
         """The policy's shape for this step's decoding requests; returns the target rows each of them adds."""
         # under --tp rank 0's choice (it rests on each rank's own timings): every rank runs the same shape
-        self.planned = parallel.agree(self.policy.choose(reqs, batch_bucket(len(reqs), self.max_batch)), self.device)
+        self.planned = self._choose(reqs, batch_bucket(len(reqs), self.max_batch))
         tree = self.shapes[self.planned]
         return tree.total_tokens if tree else 1
 
@@ -708,7 +740,7 @@ class SpecRunner(BatchRunner):
         is a step's cost (None: a graph's first use)."""
         B = len(reqs)
         Bb = batch_bucket(B, self.max_batch)
-        shape = parallel.agree(self.policy.choose(reqs, Bb), self.device) if self.planned is None else self.planned
+        shape = self._choose(reqs, Bb) if self.planned is None else self.planned
         self.planned = None
         plain = self.shapes[shape] is None
         # the batched draft head multiplies slots 0 .. top-1 in place (vocab/batched.py): top covers every slot
@@ -723,7 +755,7 @@ class SpecRunner(BatchRunner):
         timed = self.replays(key)  # a first use's time is no step's cost: the policy would shun the shape for it
         self.launch(key, lambda: self._round(shape, Bb, top, S, mode, Lb))
         for r in reqs:
-            self.lags[r.slot] = (1 if Lb else self.lags[r.slot] + 1) if plain else 0
+            self.lags[r.slot] = (1 if Lb else self.lags[r.slot] + 1) if plain and self.speculates[r.slot] else 0
         return shape, Bb, t0 if timed else None
 
     def overlappable(self, chunks: list[tuple], decodes: list) -> bool:
@@ -731,12 +763,18 @@ class SpecRunner(BatchRunner):
         before the step in flight is read and read after the next one is launched (Scheduler overlap). A round's
         lengths are its accepted tokens, and a pass with prompt chunks starts windows from host reads: those run
         synchronously, after the step in flight is read."""
+        if self._as_ar(chunks, decodes):  # AR's step, prompt chunks and all
+            return True
         return not chunks and bool(decodes) and self.planned is not None and self.shapes[self.planned] is None
 
     def step_async(self, chunks: list[tuple], decodes: list) -> tuple[list[tuple], torch.Tensor, object]:
         """An overlappable step (a plain one) launched, as BatchRunner's: the requests are left as they are, the
         scheduler advances them and reads the tokens later. Its time is no step's cost (the host does not wait
-        for it): the policy sees only its plain step (PROBE)."""
+        for it): the policy sees only its plain step (PROBE). A step of requests that all decode as AR's is AR's."""
+        if self._as_ar(chunks, decodes):
+            self.planned = None
+            self.whys.append("cost")
+            return BatchRunner.step_async(self, chunks, decodes)
         shape, Bb, _ = self._launch_decode(decodes)
         self.policy.observe(decodes, shape, Bb, [1] * len(decodes), None)
         self.whys.append(self.policy.why)  # counted when its tokens are read (`read`)

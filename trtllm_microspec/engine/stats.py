@@ -19,9 +19,9 @@ class Stats:
     tree_sizes: dict = field(default_factory=dict)
     # its plain steps by why the speculation policy ran them plain (engine/policy.py PLAIN_REASONS)
     plain_reasons: dict = field(default_factory=dict)
-    # a MicroSpec window's start: from the target's top-K_pre at every prompt row (True), or from the prompt's ids
-    # alone (False: no tree paid at the batch it joined, SpecRunner.prompts_pay); None: no such window
-    top_k_pre: bool | None = None
+    # batched engine, a speculative method: whether the request speculated (True), or decoded as AR's to its end
+    # (False: no tree paid at the batch it joined, SpecRunner._admit); None: AR, or not through the batched engine
+    speculative: bool | None = None
     prefill_s: float = 0.0  # target prefill (+ top-K_pre, window start and draft prefill)
     # the engine runs a round as one launch (one CUDA graph): a request has decode_s (the steps it took part in)
     # and None for the three phases (kept for readers of the statistics; the profile splits the phases)
