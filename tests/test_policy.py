@@ -14,7 +14,7 @@ import torch
 from trtllm_microspec import LLM
 from trtllm_microspec.engine.runner import LAG
 from trtllm_microspec.speculative.batch_tree import physical
-from trtllm_microspec.engine.policy import SpecPolicy, StepCosts, prior_tokens, tree_shapes
+from trtllm_microspec.engine.policy import PAYS_MARGIN, SpecPolicy, StepCosts, prior_tokens, tree_shapes
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.speculative.tree import TreeConfig
 
@@ -66,6 +66,17 @@ def test_policy_picks_what_pays():
     assert policy.choose(requests(None), 1) == 0  # a new request starts from the batch's (now low) acceptance
     fixed = SpecPolicy(tree_shapes(TreeConfig(2, 3, 8), "fixed"), "fixed", StepCosts(lambda s, rows: 1 / 0))
     assert fixed.choose(reqs, 2) == 1  # fixed: the configured tree, no cost asked
+    assert fixed.pays(256, 256)
+
+
+def test_a_joining_request_speculates_where_a_tree_pays_by_the_margin():
+    """`pays` (whether a joining request speculates for its whole life) asks PAYS_MARGIN more of a tree than a
+    step's choice does: a tree expected to return 1.1x plain's tokens per second is chosen for a step, not joined."""
+    shapes = tree_shapes(TreeConfig(2, 3, 8), "auto")
+    g = prior_tokens(shapes[2])
+    for gain, pays in ((1.1, False), (PAYS_MARGIN * 1.02, True)):
+        policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: {0: 1.0, 1: 100.0, 2: g / gain}[s]))
+        assert policy.choose(requests(None), 1) == 2 and policy.pays(1, 1) is pays
 
 
 def test_plain_steps_probe_speculation_again():

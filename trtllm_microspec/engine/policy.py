@@ -52,6 +52,12 @@ EMA = 0.2  # weight of a new observation in the running averages (acceptance rat
 # 0.02, after a probe that returned nothing (EMA pulls the ratio down) ~11 plain steps pass before the next: where
 # speculation never pays, about one step in twelve is a probe; near the break-even a probe costs next to nothing
 PROBE = 0.02
+# how much more than plain steps a tree must be expected to return for a joining request to speculate (`pays`). A
+# step's choice is corrected by the next step's measured time; this one holds for the request's life (it decodes as
+# AR's otherwise: SpecRunner._admit) and rests on calibrated costs that read low (their padding rows: see StepCosts)
+# and on the prior acceptance: on one H100 at 64 requests a 4-token tree that the calibration put near the break-even
+# ran 254 of 287 steps at 2x a plain step's time for 1.9 tokens (0.58x AR)
+PAYS_MARGIN = 1.15
 
 
 def tree_shapes(tree: TreeConfig, policy: str) -> list[TreeConfig | None]:
@@ -120,15 +126,15 @@ class SpecPolicy:
         return best
 
     def pays(self, n: int, rows: int) -> bool:
-        """Whether any tree returns more tokens per second than plain rows for n requests (rows bucket `rows`) at
-        the prior acceptance: where none does, the batch is too big for speculation to pay whatever its text
-        (`fixed`: always)."""
-        return self.policy == "fixed" or self.best(n, n, rows) > 0
+        """Whether some tree returns PAYS_MARGIN times the tokens per second of plain rows for n requests (rows
+        bucket `rows`) at the prior acceptance: where none does, the batch is too big for speculation to pay
+        whatever its text (`fixed`: always)."""
+        return self.policy == "fixed" or self.best(n, n, rows, PAYS_MARGIN) > 0
 
-    def best(self, rho: float, n: int, rows: int) -> int:
+    def best(self, rho: float, n: int, rows: int, margin: float = 1.0) -> int:
         """The shape of the most expected tokens per second for n requests whose acceptance ratios sum to rho:
-        sum of E_s(r) = n + rho (G_s - 1)."""
-        best, best_rate = 0, n / self.costs(0, rows)
+        sum of E_s(r) = n + rho (G_s - 1); a tree only where it beats plain rows `margin` times."""
+        best, best_rate = 0, margin * n / self.costs(0, rows)
         for s in range(1, len(self.shapes)):
             rate = (n + rho * (self.prior[s] - 1)) / self.costs(s, rows)
             if rate > best_rate:
