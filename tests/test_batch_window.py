@@ -27,7 +27,7 @@ class WindowVocab:
                  ranked_ids: torch.Tensor | None = None):
         V, d = head.shape
         dev = head.device
-        use_prompt, use_rounds, packed, fill = self.FLAGS[name]
+        use_prompt, use_rounds, packed, fill, self.distinct = self.FLAGS[name]
         self.head_w, self.w_max, self.pinned = head, w_max, torch.tensor(sorted(set(pinned)), device=dev)
         self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, packed
         self.R = R = w_max  # every id it holds, the pinned included, within W_max
@@ -107,7 +107,10 @@ class WindowVocab:
 
     def update(self, tree_ids: torch.Tensor, ver_ids: torch.Tensor) -> None:
         if self.use_rounds:
-            self._append(torch.cat([self._unique(tree_ids), self._unique(ver_ids)]))
+            new = torch.cat([self._unique(tree_ids), self._unique(ver_ids)])
+            if self.distinct:  # only the ids the window lacks
+                new = torch.where(self.slot_of[new.clamp(min=0)] >= 0, -1, new)
+            self._append(new)
             self._refill()
 
     def head(self, hidden: torch.Tensor, k: int):
@@ -151,10 +154,10 @@ def test_batch_window_equals_independent_windows(method):
     g = torch.Generator().manual_seed(0)
     head = exact_inputs(g, V, D, dtype=torch.float32)  # exact GEMMs: bmm and linear give the same logits
     ranked = ranking(g)
-    use_prompt, use_rounds, packed, fill = WindowVocab.FLAGS[method]
+    use_prompt, use_rounds, packed, fill, distinct = WindowVocab.FLAGS[method]
     bw = BatchWindow(head, W, PINNED, SLOTS, ranked[:W] if fill else None, use_prompt, use_rounds,
-                     packed)
-    refs = {}
+                     packed, distinct=distinct)
+    refs, fill_used = {}, False
     for rnd in range(12):
         if rnd in (0, 5, 11):  # requests join (slot 2 twice: its window restarts from nothing of the last request)
             joins = {0: (3, 1, 2), 5: (2,), 11: (0,)}[rnd]
@@ -174,6 +177,7 @@ def test_batch_window_equals_independent_windows(method):
         if rnd == 7:
             ver[0] = -1
         bw.update(batch, tree, ver)
+        fill_used |= bool((bw.fill_id_of[batch] >= 0).any())
         for b, (slot, ref) in enumerate(refs.items()):
             ref.update(tree[b], ver[b])
             assert_same(bw, slot, ref)
@@ -191,7 +195,7 @@ def test_batch_window_equals_independent_windows(method):
     if use_rounds:
         assert bw.head_pos[2] > W and bw.head_pos[3] > 3 * W  # the rings wrapped
     if fill:  # the windows were not always full, so the fills were used
-        assert (bw.fill_id_of[list(refs)] >= 0).any()
+        assert fill_used
 
 
 def test_windows_never_mix():
@@ -313,7 +317,8 @@ class Batched(Single):
     """A BatchWindow of 3 slots through the same accessors."""
 
     def __init__(self, method, head, w, ranked):
-        self.v = BatchWindow(head, w, PINNED, 3, ranked[:w] if method == "microspec" else None)
+        self.v = BatchWindow(head, w, PINNED, 3, ranked[:w] if method == "microspec" else None,
+                             distinct=Window.FLAGS[method][4])
 
     def start(self, slot, prompt, topk):
         self.v.start(torch.tensor([slot]), prompt[None], topk[None])  # a batch of one
@@ -343,7 +348,8 @@ class Batched(Single):
 def test_fill_rule(kind):
     """Random rounds over a small vocabulary (the stream often brings in ranked ids), three requests in turn, the
     batched ones taking over a used slot: after every start and update the filled window's stream part is exactly
-    the paper's window (stream ids always win a slot, a fill id never displaces one), its fill is the Python
+    the paper's window with a round's ids already held not appended again (stream ids always win a slot, a fill id
+    never displaces one), its fill is the Python
     rule's (so a joining request's fill is its own window's, nothing of the last request's), the union is always
     the W_max slots, pinned ids included (each stream id that enters displaces one fill id), and size, contains and the draft head see exactly that union."""
     g = torch.Generator().manual_seed(2)
@@ -352,6 +358,8 @@ def test_fill_rule(kind):
     head = exact_inputs(g, V2, D, dtype=torch.float32)
     ranked = ranking(g, V2)
     filled, paper = kind("microspec", head, W2, ranked), kind("microspec-paper", head, W2, ranked)
+    assert filled.v.distinct and not paper.v.distinct
+    paper.v.distinct = True  # ours' stream part: the paper's suffix of distinct ids
     top = ranked[:R].tolist()
     every = torch.arange(V2)
     sizes = set()
@@ -386,7 +394,8 @@ def test_window_never_exceeds_w_max(method):
     g = torch.Generator().manual_seed(3)
     head = exact_inputs(g, V, D, dtype=torch.float32)
     fill = WindowVocab.FLAGS[method][3]
-    bw = BatchWindow(head, W, PINNED, 2, ranking(g)[:W] if fill else None, *WindowVocab.FLAGS[method][:3])
+    bw = BatchWindow(head, W, PINNED, 2, ranking(g)[:W] if fill else None, *WindowVocab.FLAGS[method][:3],
+                     distinct=WindowVocab.FLAGS[method][4])
     every = torch.arange(V).expand(2, V)
     batch = torch.tensor([0, 1])
     bw.start(batch, torch.stack([torch.randperm(V, generator=g)[:3 * W] for _ in batch]),

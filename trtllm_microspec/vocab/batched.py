@@ -27,7 +27,7 @@ def batch_vocab(vocab, slots: int):
         fill = vocab.fill_ids
         return BatchWindow(vocab.head_w, vocab.w_max, vocab.pinned, slots,
                            None if fill is None else fill.to(vocab.head_w.device), vocab.use_prompt,
-                           vocab.use_rounds, vocab.use_packed, vocab.row_of, vocab.V)
+                           vocab.use_rounds, vocab.use_packed, vocab.row_of, vocab.V, vocab.distinct)
     return SharedVocab(vocab)
 
 
@@ -78,15 +78,17 @@ class BatchWindow:
 
     def __init__(self, head: torch.Tensor, w_max: int, pinned: list[int], slots: int,
                  fill_ids: torch.Tensor | None = None, use_prompt: bool = True, use_rounds: bool = True,
-                 use_packed: bool = True, row_of: torch.Tensor | None = None, vocab_size: int | None = None):
+                 use_packed: bool = True, row_of: torch.Tensor | None = None, vocab_size: int | None = None,
+                 distinct: bool = False):
         """fill_ids: the fill's ranked ids (strategies.fill_ranking), or None for the paper's window. The
         ablations (strategies.Window.FLAGS): use_prompt False starts a window from the first token's top-K_ver instead
         of the prompt stream (ext-only), use_rounds False never updates it (ctx-only), use_packed False scores
         the window by gathering its head rows at every call instead of keeping them packed (naive). row_of /
-        vocab_size: an EAGLE-3 draft vocabulary, as strategies.Window's (pinned and fill ids already within it)."""
+        vocab_size: an EAGLE-3 draft vocabulary, as strategies.Window's (pinned and fill ids already within it).
+        distinct: a round's ids already in the window are not appended again (strategies: microspec's window)."""
         V, d = head.shape
         dev = head.device
-        self.use_prompt, self.use_rounds, self.use_packed = use_prompt, use_rounds, use_packed
+        self.use_prompt, self.use_rounds, self.use_packed, self.distinct = use_prompt, use_rounds, use_packed, distinct
         self.row_of = row_of
         if row_of is not None:  # the window's ids are target ids; head rows are reached through row_of
             V = vocab_size
@@ -159,9 +161,13 @@ class BatchWindow:
         if not self.use_rounds:
             return
         pending = self.pending.index_select(0, batch)
-        self._append(batch, torch.cat([ops.unique_first_rows(pending, self.first, batch),
-                                       ops.unique_first_rows(tree_ids, self.first, batch),
-                                       ops.unique_first_rows(ver_ids, self.first, batch)], 1))
+        new = torch.cat([ops.unique_first_rows(pending, self.first, batch),
+                         ops.unique_first_rows(tree_ids, self.first, batch),
+                         ops.unique_first_rows(ver_ids, self.first, batch)], 1)
+        if self.distinct:  # only ids the window lacks (the fill's are not in it: they stay apart, as they were)
+            held = self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + new.clamp(min=0)] >= 0
+            new = torch.where(held, -1, new)
+        self._append(batch, new)
         self.pending.index_fill_(0, batch, -1)
         self._refill(batch)
 
