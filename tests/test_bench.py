@@ -126,7 +126,10 @@ def test_level_questions():
 
     from trtllm_microspec.bench.specbench import level_questions
     qs = [{"qid": f"{c}{i}", "category": c} for c in "ab" for i in range(3)]
-    ids = lambda k=None, n=None, c=2: [q["qid"] for q in level_questions(qs, Namespace(requests_per_level=k, requests=n), c)]  # noqa: E731
+
+    def ids(k=None, n=None, c=2):
+        return [q["qid"] for q in level_questions(qs, Namespace(requests_per_level=k, requests=n), c)]
+
     assert ids() == ["a0", "a1", "a2", "b0", "b1", "b2"]
     assert ids(k=1) == ["a0", "b0"] and ids(k=2, c=4) == ["a0", "b0", "a1", "b1", "a2", "b2"]
     assert ids(n=3) == ["a0", "b0", "a1"] and ids(n=8) == ["a0", "b0", "a1", "b1", "a2", "b2", "a0", "b0"]
