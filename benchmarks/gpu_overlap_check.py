@@ -29,6 +29,7 @@ import torch
 from trtllm_microspec import LLM
 from trtllm_microspec.llm import resolve_engine
 from trtllm_microspec.speculative.eagle3 import random_head
+from trtllm_microspec.bench.specbench import step_summary
 from trtllm_microspec.engine.runner import GRAPHED_ROWS
 from trtllm_microspec.models.model import Span
 from trtllm_microspec.speculative.sampling import GREEDY, SamplingParams
@@ -59,9 +60,7 @@ def run(llm: LLM, ids, budgets, params) -> tuple[list[list[int]], float, int, di
     wall = time.perf_counter() - t0
     sched.step()  # the boundary after the last step (and the step in flight read)
     assert sched.idle and sched.blocks.used == 0, "blocks left held"
-    trees = {t: sum(1 for r in sched.history if r.tokens and r.tree == t) for t in sorted({r.tree for r in sched.history
-                                                                                      if r.tokens and r.tree})}
-    return [r.out for r in reqs], wall, len(sched.history) - 1, trees
+    return [r.out for r in reqs], wall, len(sched.history) - 1, step_summary(sched)["tree_sizes"]
 
 
 def logit_gap(llm: LLM, prefix: list[int], a: int, b: int) -> float:

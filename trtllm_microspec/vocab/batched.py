@@ -165,8 +165,7 @@ class BatchWindow:
                          ops.unique_first_rows(tree_ids, self.first, batch),
                          ops.unique_first_rows(ver_ids, self.first, batch)], 1)
         if self.distinct:  # only ids the window lacks (the fill's are not in it: they stay apart, as they were)
-            held = self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + new.clamp(min=0)] >= 0
-            new = torch.where(held, -1, new)
+            new = torch.where(self._held(batch, new.clamp(min=0)), -1, new)
         self._append(batch, new)
         self.pending.index_fill_(0, batch, -1)
         self._refill(batch)
@@ -184,9 +183,14 @@ class BatchWindow:
         values)."""
         if self.fill is None:
             return
-        in_window = self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + self.fill.ids] >= 0
+        in_window = self._held(batch, self.fill.ids)
         free = self.R - (self.id_of[batch, :self.R] >= 0).sum(1)
         self.fill_id_of.index_copy_(0, batch, self.fill.keep(in_window, free))
+
+    def _held(self, batch: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Whether each id of ids ([n], or [B, n] a row per window) is in window batch[b] (its stream or pinned ids,
+        not its fill)."""
+        return self.slot_of.view(-1)[batch[:, None] * (self.V + 1) + ids] >= 0
 
     def _append(self, batch: torch.Tensor, new_ids: torch.Tensor) -> None:
         """ops.window_update_rows for every request at once: row b of new_ids [B, n] (-1 = padding, skipped) joins
