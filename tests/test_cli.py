@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,22 @@ def test_bad_knob_is_one_line_error(capsys, engine, random_draft_dir, command, f
     if command == "generate":
         argv += ["--prompt", "hi"]
     assert_user_error(run(capsys, *argv), message)
+
+
+def test_bad_knob_beside_a_dead_servers_leftovers(capsys, engine, random_draft_dir):
+    # a killed server's folder waits for the next start to reap it; bad input still fails in one line, first
+    if not serve_available():
+        pytest.skip("serve extra not installed")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = Path(tempfile.gettempdir()) / f"microspec-serve-{dead.pid}-test"
+    left.mkdir()
+    try:
+        assert_user_error(run(capsys, "serve", "--engine", engine, "--draft", random_draft_dir, "--device", "cpu",
+                              "--w-max", 0), "w_max must be between")
+        assert left.exists()  # reaped only by a start that got past the checks
+    finally:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def test_tree_too_big_for_max_seq_len(capsys, engine, random_draft_dir):

@@ -480,8 +480,6 @@ def _serve(a: argparse.Namespace) -> None:
     pytriton_dir()  # fail early and clearly without the serve extra
     stub_site(a.stub_site)
     check_queue_size(a.max_queue_size)
-    for path in reap_leftovers():
-        log(f"removed {path}, left by a server that is no longer running")
     # the pid in the name: a later start reaps it if this process is killed
     with tempfile.TemporaryDirectory(prefix=f"microspec-repo-{os.getpid()}-") as tmp:
         repo = Path(a.model_repository) if a.model_repository else None
@@ -514,6 +512,9 @@ def _serve(a: argparse.Namespace) -> None:
             repo = write_repository(Path(tmp), params, kind, gpus=gpus, queue=a.max_queue_size)
         elif not (repo / MODEL_NAME / "config.pbtxt").exists():
             raise UserError(f"{repo} has no {MODEL_NAME}/config.pbtxt")
+        # after the checks: bad input is one line on stderr, nothing before it
+        for path in reap_leftovers():
+            log(f"removed {path}, left by a server that is no longer running")
         # the OpenAI front binds its port now (a busy one fails before the model loads) and stops last, after the
         # server has ended its requests with an error it forwards
         front = openai_front(a.host, a.openai_port)
