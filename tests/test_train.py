@@ -86,19 +86,21 @@ def test_feature_store_holds_the_rows_features(engine_dir, convs):
     assert store.used == 2 and store.bufs[0].shape == (2, *rows[0].feats.shape)
 
 
-def _store_probe(engine_dir, monkeypatch, rows_free: float):
+def _store_probe(engine_dir, monkeypatch, rows_free: float, rows_host: float = 0):
     """train()'s CUDA sizing on the CPU: `rows_free` rows' features of device memory free beside the training
-    step's reserve; returns each FeatureStore's [rows, used] and weak references to every cached feature tensor."""
+    step's reserve, `rows_host` rows' of host memory; returns each FeatureStore's [rows, used] (a host store's
+    [rows, used, "host"]) and weak references to every cached feature tensor."""
     import weakref
 
-    hidden = read_config(engine_dir).hidden_size
-    monkeypatch.setattr(train_draft, "_feature_memory", lambda dev: int(rows_free * ROW * hidden * 4))  # fp32
+    row = ROW * read_config(engine_dir).hidden_size * 4  # fp32
+    monkeypatch.setattr(train_draft, "_feature_memory", lambda dev: int(rows_free * row))
+    monkeypatch.setattr(train_draft, "_host_memory", lambda: int(rows_host * row))
     stores, refs = [], []  # each store's [rows, used] (not the store: it must be free to go)
 
     class Store(train_draft.FeatureStore):
-        def __init__(self, rows):
-            super().__init__(rows)
-            self.seen = [rows, 0]
+        def __init__(self, rows, host=False, then=None):
+            super().__init__(rows, host, then)
+            self.seen = [rows, 0] + (["host"] if host else [])
             stores.append(self.seen)
 
         def keep(self, *ts):
@@ -147,7 +149,7 @@ def test_feature_store_takes_the_planned_rows_then_gives_them_back(engine_dir, t
     r = train(engine_dir, tmp_path, data=convs, **{**KW, "steps": 1, "epochs": 2.0, "save_every": 0},
               time_limit=limit, eval_tokens=1)
     assert r["rows"] == want and r["acceptance"] == {"eagle": 1.0}
-    assert stores == [[want - 2, want - 2]]  # the planned rows less the probe's
+    assert stores == [[want - 2, want - 2]]  # the planned rows less the probe's (no host store: none needed)
     assert len(refs) > want and alive == [0]  # every feature tensor, the store's buffer included, was freed
 
 
@@ -158,14 +160,56 @@ def test_feature_store_fits_the_device(engine_dir, convs, tmp_path, monkeypatch,
     kw = {**KW, "steps": 1, "save_every": 1}
     r = train(engine_dir, tmp_path, data=convs, **kw)
     rows = len(pack(tokenize(Tokenizer(engine_dir), convs[:-2], ROW, "rows"), ROW, CPU))
-    assert r["rows"] == 2 < rows and f"holds the features of 2 of the {rows} planned rows" in capsys.readouterr().err
+    assert r["rows"] == 2 < rows and f"memory hold the features of 2 of the {rows} planned rows" in \
+        capsys.readouterr().err
     assert stores == [[2, 2]]
     monkeypatch.setattr(train_draft, "_feature_memory", lambda dev: ROW)  # not one row
-    with pytest.raises(UserError, match=r"^--resume: the features of 2 rows of 160 tokens need .* GiB of device "
-                                        r"memory; 0.0 GiB is free beside 16 GiB for the training step"):
+    with pytest.raises(UserError, match=r"^--resume: the features of 2 rows of 160 tokens need .* GiB; 0.0 GiB of "
+                                        r"device memory is free beside 16 GiB for the training step, and 0.0 GiB "
+                                        r"of host memory: resume on a machine with more free memory$"):
         train(engine_dir, tmp_path, data=convs, resume=True, **kw)
     with pytest.raises(UserError, match=f"^the features of {rows} rows .*: lower --max-len or free the device$"):
         train(engine_dir, tmp_path / "b", data=convs, **kw)
+
+
+def test_rows_past_the_device_go_to_host_memory(engine_dir, convs, trained, tmp_path, monkeypatch, capsys):
+    """Rows the device's memory cannot hold are cached in host memory, in chunks, and trained on as the device's
+    are: the same run with every row on the device ends with the same held-out loss and weights."""
+    monkeypatch.setattr(train_draft, "HOST_CHUNK", 1)  # a chunk a row: more than one
+    stores, _ = _store_probe(engine_dir, monkeypatch, rows_free=2.5, rows_host=100)
+    moved = []
+    real_on = train_draft.Pack.on
+
+    def on(p, dev):
+        moved.append(p.feats.untyped_storage().data_ptr())
+        return real_on(p, dev)
+
+    monkeypatch.setattr(train_draft.Pack, "on", on)
+    r = train(engine_dir, tmp_path, data=convs, **KW)
+    rows = len(pack(tokenize(Tokenizer(engine_dir), convs[:-2], ROW, "rows"), ROW, CPU))
+    assert rows > 3 and r["rows"] == rows == trained[1]["rows"]  # every row, as without the limit
+    assert f"the features of {rows - 2} of the {rows} rows go to host memory (the device holds 2)" in \
+        capsys.readouterr().err
+    assert sorted(stores, key=len) == [[2, 2], [rows - 2, rows - 2, "host"]]  # (the host store is made first)
+    assert r["heldout_loss"] == trained[1]["heldout_loss"] and r["heldout_acc"] == trained[1]["heldout_acc"]
+    want, got = load_file(trained[0] / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert len(moved) == KW["steps"] * KW["batch_tokens"] // ROW  # each step's rows went through Pack.on
+
+
+def test_host_rows_come_to_the_device_for_their_step(engine_dir, convs):
+    """Pack.on: a row cached in host memory is copied to the step's device (its loss positions shared, not made
+    again); a row already there, or with no features, is itself."""
+    target, tok = load_target(engine_dir, CPU, torch.float32, max_seq_len=ROW)
+    target.taps = (1, 2, 3)
+    p = pack(tokenize(tok, convs[:3], ROW, "test"), ROW, CPU)[0]
+    assert p.on(torch.device("meta")) is p  # no features yet
+    target_features(target, [p], "test", store=train_draft.FeatureStore(0, then=train_draft.FeatureStore(1, True)))
+    p.rows(0)
+    assert p.on(CPU) is p
+    q = p.on(torch.device("meta"))
+    assert q.feats.is_meta and q.aux.is_meta and q.aux.shape == p.aux.shape and q.sel is p.sel
+    assert q.tokens is p.tokens and not p.feats.is_meta
 
 
 def test_unrolled_steps_stay_inside_the_rope_tables(engine_dir, convs, tmp_path):

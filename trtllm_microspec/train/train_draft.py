@@ -23,9 +23,10 @@ assistant turns are ChatGPT's, as in EAGLE), tokenised in parallel (tokenizers' 
 the target's own answers to ShareGPT's prompts from `microspec distill` (token ids as generated), each cut at
 --max-len tokens and packed whole into rows of <= --max-len tokens (no padding): attention is block-diagonal causal
 within a row and positions restart at 0 for each conversation. The target runs once per row; its features are
-cached on the device (bf16 on CUDA), once, and reused every epoch; the target distribution is recomputed from them
-through the head, a chunk of rows at a time (V floats per token would not fit). The last --heldout fraction of the
-conversations is held out (of the distilled ones when there are any, or of --heldout-data's).
+cached on the device (bf16 on CUDA; the rows past its memory in pinned host memory), once, and reused every
+epoch; the target distribution is recomputed from them through the head, a chunk of rows at a time (V floats per
+token would not fit). The last --heldout fraction of the conversations is held out (of the distilled ones when
+there are any, or of --heldout-data's).
 
 Token loss (--loss): full = the soft CE over the whole vocabulary (the reference; SoftCE never holds more than one
 chunk of [rows, V] logits); fused = the same loss with its softmax part in one Triton kernel over bf16 logits
@@ -96,6 +97,12 @@ REFITS = 20  # under --time-limit the schedule is re-fitted to the measured step
 CACHE_SLACK = 1.25  # caching may take this much longer than planned before it stops (the rest is left out)
 LOSSES = ("full", "pruned", "fused")
 FEATURE_RESERVE = 16 << 30  # bytes of device memory left free by the cached features: the training step's own
+# rows the device cannot hold go to pinned host memory, copied back for each step that reads them: a 4,096-token
+# EAGLE-3 row is ~50 MB, ~1 ms at PCIe's ~50 GB/s against the ~37 ms its training takes at the 111k tok/s measured
+# (the copy's own time not measured yet). On the H200 the 900 s recipe wanted 4,354 rows and the device held 2,394
+# (BENCHMARKS.md, Training)
+HOST_RESERVE = 16 << 30  # bytes of host memory the host's share of the features leaves to the process and system
+HOST_CHUNK = 32  # rows per pinned host allocation, made as the rows come (not all at once before the first)
 DISTILL_SHARE = 1 / 3  # the recipe (--time-limit, no --data): this share of the time limit goes to distilling
 EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
 EVAL_METHODS = ("eagle", "microspec")
@@ -116,6 +123,14 @@ class Pack:
     feats: torch.Tensor | None = None  # [T, d] target features
     aux: torch.Tensor | None = None  # [T, 3 d] EAGLE-3: the target's three tapped layers (the draft's input)
     sel: dict = field(default_factory=dict, repr=False)  # step -> valid(step).nonzero(), kept: nonzero syncs
+
+    def on(self, dev: torch.device) -> "Pack":
+        """This row with its features on dev: a row cached in host memory (FeatureStore) copied for one step,
+        without waiting (pinned memory); its loss positions (sel) shared with it."""
+        if self.feats is None or self.feats.device.type == dev.type:
+            return self
+        aux = None if self.aux is None else self.aux.to(dev, non_blocking=True)
+        return replace(self, feats=self.feats.to(dev, non_blocking=True), aux=aux, sel=self.sel)
 
     def rows(self, s: int) -> torch.Tensor:
         """The indices of valid(s), computed once per row and step (a device sync each time otherwise)."""
@@ -219,22 +234,38 @@ def _sync(device: torch.device) -> None:
 
 
 class FeatureStore:
-    """Device memory for the cached features of up to `rows` rows, taken in one allocation per tensor at the first
-    row: thousands of row-sized tensors, each allocated between one forward's temporaries, left the caching
-    allocator's segments in pieces (an EAGLE-3 recipe run on the H200 ran out of memory with 41 GiB reserved but
-    unused). Rows past `rows` keep their own tensors. The rows' features are views of its buffers: the memory goes
-    back when the store and every row's features are dropped."""
+    """Memory for the cached features of up to `rows` rows. On the device: one allocation per tensor at the first
+    row (thousands of row-sized tensors, each allocated between one forward's temporaries, left the caching
+    allocator's segments in pieces: an EAGLE-3 recipe run on the H200 ran out of memory with 41 GiB reserved but
+    unused). In host memory (`host`, pinned where CUDA runs): HOST_CHUNK rows an allocation, made as rows come.
+    Rows past `rows` go to the store `then` (the host's after the device's), else keep their own tensors. The
+    rows' features are views of its buffers: the memory goes back when the store and every row's features are
+    dropped."""
 
-    def __init__(self, rows: int):
-        self.rows, self.used, self.bufs = rows, 0, None
+    def __init__(self, rows: int, host: bool = False, then: "FeatureStore | None" = None):
+        self.rows, self.used, self.host, self.then = rows, 0, host, then
+        self.chunk = HOST_CHUNK if host else max(rows, 1)
+        self.bufs: list[torch.Tensor] | None = None  # the chunk being filled: one buffer per tensor
 
     def keep(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.used >= self.rows:
-            return ts
-        if self.bufs is None:
-            self.bufs = [torch.empty((self.rows, *t.shape), dtype=t.dtype, device=t.device) for t in ts]
+            return ts if self.then is None else self.then.keep(*ts)
+        at = self.used % self.chunk
+        if at == 0:
+            n = min(self.chunk, self.rows - self.used)
+            pin = self.host and torch.cuda.is_available()
+            self.bufs = [torch.empty((n, *t.shape), dtype=t.dtype, device="cpu" if self.host else t.device,
+                                     pin_memory=pin) for t in ts]
         self.used += 1
-        return tuple(b[self.used - 1].copy_(t) for b, t in zip(self.bufs, ts))
+        return tuple(b[at].copy_(t, non_blocking=self.host) for b, t in zip(self.bufs, ts))
+
+
+def feature_stores(packs: list[Pack], start: int, end: int, on_device: int) -> FeatureStore:
+    """The stores of rows start .. end - 1 of the caching order that are not cached yet: rows before `on_device`
+    (the rows the device's memory holds, counted from the first) on the device, the rest in host memory."""
+    dev = sum(p.feats is None for p in packs[start:min(end, on_device)])
+    host = sum(p.feats is None for p in packs[max(start, on_device):end])
+    return FeatureStore(dev, then=FeatureStore(host, host=True) if host else None)
 
 
 @torch.no_grad()  # not inference_mode: the cached features are later inputs of autograd graphs
@@ -440,6 +471,17 @@ def _feature_memory(dev: torch.device) -> int | None:
     if dev.type != "cuda":
         return None
     return torch.cuda.mem_get_info(dev)[0] - FEATURE_RESERVE
+
+
+def _host_memory() -> int:
+    """Bytes of host memory the features the device cannot hold may take: what the system has available less
+    HOST_RESERVE (0 where /proc/meminfo cannot say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+    return max(0, kb * 1024 - HOST_RESERVE)
 
 
 def _cache_timed(target: Transformer, packs: list[Pack], desc: str) -> float:
@@ -692,26 +734,31 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         del probe  # (rows the plan leaves out drop their features with train_packs below)
     else:
         keep = len(train_packs)
-    fits, store = len(train_packs), None
+    fits, on_device, store = len(train_packs), len(train_packs), None
     free = _feature_memory(dev)
-    if free is not None:  # the features stay on the device: as many rows as its memory holds
+    if free is not None:  # the features stay on the device as far as its memory holds them, then in host memory
         have = sum(p.feats is not None for p in train_packs)  # the probe rows, on the device already
         row = max_len * target.cfg.hidden_size * (1 + len(target.taps)) * dtype.itemsize  # (+ EAGLE-3's layers)
-        fits = min(fits, have + max(0, free) // row)
+        on_device = have + max(0, free) // row
+        host = _host_memory()
+        fits = min(fits, on_device + host // row)
         if fits < keep:
-            short = f"the features of {keep} rows of {max_len} tokens need {keep * row / 2 ** 30:.1f} GiB of device " \
-                    f"memory; {max(0, free) / 2 ** 30:.1f} GiB is free beside {FEATURE_RESERVE >> 30} GiB for the " \
-                    f"training step"
+            short = f"the features of {keep} rows of {max_len} tokens need {keep * row / 2 ** 30:.1f} GiB; " \
+                    f"{max(0, free) / 2 ** 30:.1f} GiB of device memory is free beside {FEATURE_RESERVE >> 30} GiB " \
+                    f"for the training step, and {host / 2 ** 30:.1f} GiB of host memory"
             if resume:  # its checkpoint was trained on exactly these rows
-                raise UserError(f"--resume: {short}: resume on a device with more free memory")
+                raise UserError(f"--resume: {short}: resume on a machine with more free memory")
             if not fits:
                 raise UserError(f"{short}: lower --max-len or free the device")
-            print(f"[train-draft] device memory holds the features of {fits} of the {keep} planned rows",
+            print(f"[train-draft] device and host memory hold the features of {fits} of the {keep} planned rows",
                   file=sys.stderr)
             keep = fits
-        # the planned rows exactly (the re-plan's rows get a store of their own): the rest of the device stays
+        if keep > on_device:
+            print(f"[train-draft] the features of {keep - on_device} of the {keep} rows go to host memory (the "
+                  f"device holds {on_device})", file=sys.stderr)
+        # the planned rows exactly (the re-plan's rows get stores of their own): the rest of the device stays
         # free for the training step
-        store = FeatureStore(sum(p.feats is None for p in train_packs[:keep]))
+        store = feature_stores(train_packs, 0, keep, on_device)
     planned = sum(p.real for p in train_packs[:keep] if p.feats is None)
     until = perf_counter() + CACHE_SLACK * planned / cache_rate if time_limit is not None and not resume else math.inf
     t_cache = perf_counter()
@@ -727,7 +774,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
             extra = sum(p.real for p in train_packs[keep:keep + more])
             print(f"[train-draft] re-plan: caching ran at {measured:,.0f} tok/s: {more} more rows", file=sys.stderr)
             if store is not None:
-                store = FeatureStore(sum(p.feats is None for p in train_packs[keep:keep + more]))
+                store = feature_stores(train_packs, keep, keep + more, on_device)
             cached += target_features(target, train_packs[keep:keep + more], "train",
                                       perf_counter() + CACHE_SLACK * extra / measured, store)
     train_packs, store = cached, None  # the rows' features hold the stores' memory, nothing else
@@ -764,7 +811,7 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         loss_sum = correct = 0
         for i in order:
             with _autocast(dev):
-                losses = pack_losses(draft, target, train_packs[i], ttt_steps, noise, head, ce)
+                losses = pack_losses(draft, target, train_packs[i].on(dev), ttt_steps, noise, head, ce)
             part = sum(STEP_DECAY ** s * (vl + ce_weight(draft) * pl) for s, (vl, pl, _, _) in enumerate(losses)) / n
             part.backward()
             loss_sum, correct = loss_sum + part.detach(), correct + losses[0][2]
