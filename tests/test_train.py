@@ -86,6 +86,25 @@ def test_feature_store_holds_the_rows_features(engine_dir, convs):
     assert store.used == 2 and store.bufs[0].shape == (2, *rows[0].feats.shape)
 
 
+def test_host_store_packs_its_rows_into_few_allocations(engine_dir, convs, monkeypatch):
+    """In host memory a row's tensors and the next rows' share one allocation of up to HOST_CHUNK_BYTES (torch's
+    pinned allocator rounds each allocation up to a power of two): rows 0, 1 in one, row 2 in the next, each
+    row's features equal to those cached alone."""
+    target, tok = load_target(engine_dir, CPU, torch.float32, max_seq_len=ROW)
+    target.taps = (1, 2, 3)
+    rows = pack(tokenize(tok, convs[:6], ROW, "test"), ROW, CPU)[:3]
+    alone = pack(tokenize(tok, convs[:6], ROW, "test"), ROW, CPU)[:3]
+    row = ROW * read_config(engine_dir).hidden_size * 4 * 4  # fp32 feats + 3 tapped layers
+    monkeypatch.setattr(train_draft, "HOST_CHUNK_BYTES", 2 * row + 1)
+    target_features(target, rows, "test", store=train_draft.FeatureStore(3, host=True))
+    target_features(target, alone, "test")
+    ptr = [(p.feats.untyped_storage().data_ptr(), p.aux.untyped_storage().data_ptr()) for p in rows]
+    assert ptr[0][0] == ptr[0][1] == ptr[1][0] == ptr[1][1] != ptr[2][0] == ptr[2][1]
+    assert rows[0].feats.untyped_storage().nbytes() == 2 * row
+    for p, q in zip(rows, alone):
+        assert torch.equal(p.feats, q.feats) and torch.equal(p.aux, q.aux)
+
+
 def _store_probe(engine_dir, monkeypatch, rows_free: float, rows_host: float = 0):
     """train()'s CUDA sizing on the CPU: `rows_free` rows' features of device memory free beside the training
     step's reserve, `rows_host` rows' of host memory; returns each FeatureStore's [rows, used] (a host store's
@@ -175,7 +194,8 @@ def test_feature_store_fits_the_device(engine_dir, convs, tmp_path, monkeypatch,
 def test_rows_past_the_device_go_to_host_memory(engine_dir, convs, trained, tmp_path, monkeypatch, capsys):
     """Rows the device's memory cannot hold are cached in host memory, in chunks, and trained on as the device's
     are: the same run with every row on the device ends with the same held-out loss and weights."""
-    monkeypatch.setattr(train_draft, "HOST_CHUNK", 1)  # a chunk a row: more than one
+    row = ROW * read_config(engine_dir).hidden_size * 4  # fp32 features
+    monkeypatch.setattr(train_draft, "HOST_CHUNK_BYTES", row + 1)  # an allocation a row: more than one
     stores, _ = _store_probe(engine_dir, monkeypatch, rows_free=2.5, rows_host=100)
     moved = []
     real_on = train_draft.Pack.on

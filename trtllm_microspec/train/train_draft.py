@@ -102,7 +102,10 @@ FEATURE_RESERVE = 16 << 30  # bytes of device memory left free by the cached fea
 # (the copy's own time not measured yet). On the H200 the 900 s recipe wanted 4,354 rows and the device held 2,394
 # (BENCHMARKS.md, Training)
 HOST_RESERVE = 16 << 30  # bytes of host memory the host's share of the features leaves to the process and system
-HOST_CHUNK = 32  # rows per pinned host allocation, made as the rows come (not all at once before the first)
+# bytes of a pinned host allocation, made as the rows come (not all at once before the first): torch's pinned
+# allocator rounds each allocation up to a power of two, so one of 2^31 bytes holds its rows with less than a row
+# unused (a row's tensors share it: each of its own would be rounded apart)
+HOST_CHUNK_BYTES = 1 << 31
 DISTILL_SHARE = 1 / 3  # the recipe (--time-limit, no --data): this share of the time limit goes to distilling
 EVAL_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
 EVAL_METHODS = ("eagle", "microspec")
@@ -237,27 +240,37 @@ class FeatureStore:
     """Memory for the cached features of up to `rows` rows. On the device: one allocation per tensor at the first
     row (thousands of row-sized tensors, each allocated between one forward's temporaries, left the caching
     allocator's segments in pieces: an EAGLE-3 recipe run on the H200 ran out of memory with 41 GiB reserved but
-    unused). In host memory (`host`, pinned where CUDA runs): HOST_CHUNK rows an allocation, made as rows come.
-    Rows past `rows` go to the store `then` (the host's after the device's), else keep their own tensors. The
-    rows' features are views of its buffers: the memory goes back when the store and every row's features are
-    dropped."""
+    unused). In host memory (`host`, pinned where CUDA runs): HOST_CHUNK_BYTES an allocation, made as rows come,
+    its rows' tensors views of it. Rows past `rows` go to the store `then` (the host's after the device's), else
+    keep their own tensors. The rows' features are views of its buffers: the memory goes back when the store and
+    every row's features are dropped."""
 
     def __init__(self, rows: int, host: bool = False, then: "FeatureStore | None" = None):
         self.rows, self.used, self.host, self.then = rows, 0, host, then
-        self.chunk = HOST_CHUNK if host else max(rows, 1)
-        self.bufs: list[torch.Tensor] | None = None  # the chunk being filled: one buffer per tensor
+        self.bufs: list[torch.Tensor] | None = None  # the allocation being filled: [its rows, *shape] per tensor
+        self.at = 0  # its next row
 
     def keep(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.used >= self.rows:
             return ts if self.then is None else self.then.keep(*ts)
-        at = self.used % self.chunk
-        if at == 0:
-            n = min(self.chunk, self.rows - self.used)
-            pin = self.host and torch.cuda.is_available()
-            self.bufs = [torch.empty((n, *t.shape), dtype=t.dtype, device="cpu" if self.host else t.device,
-                                     pin_memory=pin) for t in ts]
-        self.used += 1
-        return tuple(b[at].copy_(t, non_blocking=self.host) for b, t in zip(self.bufs, ts))
+        if self.bufs is None or self.at == self.bufs[0].shape[0]:
+            self.bufs, self.at = self._allocate(ts), 0
+        self.used, self.at = self.used + 1, self.at + 1
+        return tuple(b[self.at - 1].copy_(t, non_blocking=self.host) for b, t in zip(self.bufs, ts))
+
+    def _allocate(self, ts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Buffers for the next rows: on the device every row of the store, one per tensor; in host memory the
+        rows HOST_CHUNK_BYTES hold (one at least), in one pinned allocation."""
+        left = self.rows - self.used
+        if not self.host:
+            return [torch.empty((left, *t.shape), dtype=t.dtype, device=t.device) for t in ts]
+        n = min(left, max(1, HOST_CHUNK_BYTES // sum(t.nbytes for t in ts)))
+        raw = torch.empty(n * sum(t.nbytes for t in ts), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        bufs, at = [], 0
+        for t in ts:  # (each part's bytes a multiple of its element size: the views are aligned)
+            bufs.append(raw[at:at + n * t.nbytes].view(t.dtype).view(n, *t.shape))
+            at += n * t.nbytes
+        return bufs
 
 
 def feature_stores(packs: list[Pack], start: int, end: int, on_device: int) -> FeatureStore:
