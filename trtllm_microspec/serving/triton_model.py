@@ -2,10 +2,11 @@
 
 Runs inside Triton's Python stub (`triton_repo/microspec/1/model.py` re-exports `TritonPythonModel`). The model is
 decoupled: `execute` only validates requests (bad ones get an error response at once) and hands them to one engine
-loop thread, the only thread that touches the model. Every request, greedy or sampled, of every method, joins the
-running batch of the batched engine (in-flight batching over the paged KV pool, `LLM.scheduler()`; under --tp the
-followers run the same steps, serving/tp.py). Streaming requests get one response per text piece, then a final
-one with the statistics; non-streaming ones get a single response with the whole text and the statistics.
+loop thread, the only thread that touches the model; a third one sends its responses (Responder). Every
+request, greedy or sampled, of every method, joins the running batch of the batched engine (in-flight batching
+over the paged KV pool, `LLM.scheduler()`; under --tp the followers run the same steps, serving/tp.py). Streaming
+requests get one response per text piece, then a final one with the statistics; non-streaming ones get a single
+response with the whole text and the statistics.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +27,7 @@ from ..engine.loader import one_line
 from ..engine.scheduler import Request
 from ..llm import LLM
 from ..models.registry import UserError
+from ..models.tokenizer import TextStream
 from ..speculative.sampling import SamplingParams
 from . import tp as tp_serving
 from .client import MAX_STOP_WORDS
@@ -36,6 +39,10 @@ SAMPLING_INPUTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
 NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "k_tree": int, "static_k": int, "depth": int, "top_k": int,
            "total_tokens": int, "max_seq_len": int, "max_batch": int, "max_num_tokens": int, "kv_memory": float,
            "tp": int, "tp_timeout": float, "tp_port": int}
+# seconds between the engine's asks whether each running request's client went away: an ask is a round trip to
+# tritonserver; asked for each request at every step, the asks held the engine thread ~3 ms a step at 64 requests
+# (smollm2 on this repository's 2-core CPU), where a GPU step of 64 requests takes ~4-5 ms
+CANCEL_CHECK_S = 0.05
 # the batch's state on Triton's metrics port (gauges per model instance)
 METRICS = {"microspec_running_requests": "requests decoding now (the batch)",
            "microspec_waiting_requests": "requests accepted and waiting for KV blocks or their turn (those in "
@@ -44,6 +51,12 @@ METRICS = {"microspec_running_requests": "requests decoding now (the batch)",
            "microspec_kv_blocks_total": "KV-cache blocks of the batch's pool (--kv-memory)",
            "microspec_tree_tokens": "draft-tree tokens per request of the batch's last decoding step, the speculation "
                                     "policy's choice (1: plain decoding; 0: none yet)"}
+# where the serving threads' time goes (counters, seconds): whether a server is bound by its host work or the device
+TIMES = {"microspec_step_seconds": "time the engine thread spent in the batched engine's steps",
+         "microspec_between_steps_seconds": "time the engine thread spent between steps while requests ran (taking "
+                                            "new ones, cancellation checks, detokenizing): no step is scheduled then",
+         "microspec_response_seconds": "time the response thread spent making and sending responses"}
+TIMES_EVERY_S = 1.0  # how often the counters are brought up to date (each update is a call into the stub)
 
 
 @dataclass(eq=False)
@@ -55,6 +68,7 @@ class Job:
     end_id: int | None
     stop_words: list[str]
     sampling: SamplingParams
+    text_of: TextStream  # the text of `ids`, decoded incrementally
     req: Request | None = None  # in the batched engine
     ids: list[int] = field(default_factory=list)  # generated so far
     text: str = ""  # the output so far (cut at a stop word or end_id); streamed: what was sent
@@ -130,20 +144,70 @@ def _send(sender, response=None, final: bool = False) -> None:
         pass  # the client is gone: the loop's cancellation check ends its request
 
 
+class Responder:
+    """Sends the engine's responses from a thread of its own, in the order they were queued. A response is a round
+    trip to tritonserver, once per streaming request per step: with 64 streaming requests (smollm2, AR, this
+    repository's 2-core CPU, ~27 requests' tokens a step) the engine thread spent 10.7 ms a step sending them, at
+    0.3-0.4 ms each, before it could schedule the next step; with this thread, 0.8 ms. On a GPU the sends then
+    overlap the next step, during which the engine thread waits on the device without the GIL (not measured
+    there yet). Triton's vLLM backend does the same (triton-inference-server/vllm_backend#46)."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy = 0.0  # seconds spent making and sending responses (TIMES)
+        self.thread = threading.Thread(target=self._run, name="microspec-responses", daemon=True)
+        self.thread.start()
+
+    def put(self, sender, response, final: bool = False) -> None:
+        """response: an InferenceResponse, or a function that makes one (built on this thread, not the engine's)."""
+        self.queue.put((sender, response, final))
+
+    def close(self) -> None:
+        """Sends what is queued, then ends the thread."""
+        self.queue.put(None)
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            t0 = time.perf_counter()
+            sender, response, final = item
+            try:
+                response = response() if callable(response) else response
+            except Exception as e:  # our own fault: the request still ends, with the error
+                response, final = _error(f"internal error: {type(e).__name__}: {one_line(e)}", "INTERNAL"), True
+            _send(sender, response, final)
+            self.busy += time.perf_counter() - t0
+
+
 class Gauges:
-    """METRICS on Triton's metrics port (the Python backend's custom metrics), set when a value changes."""
+    """METRICS on Triton's metrics port (the Python backend's custom metrics), set when a value changes; and the
+    TIMES counters, brought up to the running totals every TIMES_EVERY_S."""
 
     def __init__(self, labels: dict[str, str]):
         self.families = [pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
                          for name, text in METRICS.items()]
+        self.families += [pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+                          for name, text in TIMES.items()]
         self.metrics = [f.Metric(labels=labels) for f in self.families]
         self.values: tuple = ()
+        self.counted = [0.0] * len(TIMES)  # what the counters hold
+        self.next_count = 0.0  # (time.monotonic())
 
     def set(self, *values: int) -> None:
         if values != self.values:
             for m, v in zip(self.metrics, values):
                 m.set(v)
             self.values = values
+
+    def count(self, *totals: float) -> None:
+        """The TIMES counters to these running totals (seconds), at most every TIMES_EVERY_S."""
+        if time.monotonic() < self.next_count:
+            return
+        self.next_count = time.monotonic() + TIMES_EVERY_S
+        for i, (m, total) in enumerate(zip(self.metrics[len(METRICS):], totals)):
+            if total > self.counted[i]:
+                m.increment(total - self.counted[i])
+                self.counted[i] = total
 
     def close(self) -> None:
         self.metrics.clear()  # a metric must go before its family
@@ -194,6 +258,9 @@ class TritonPythonModel:
         # on the single-request path): a full engine holds Triton's next request back, in Triton's queue, which
         # refuses requests beyond its max_queue_size as UNAVAILABLE (HTTP 503, retryable) and, with several
         # instances (serve --gpus 0,1), hands each request to an engine with room rather than to a full one.
+        self.responses = Responder()  # every response of a request in the engine goes through it, in order
+        self.next_cancel_check = 0.0  # (time.monotonic())
+        self.step_s = self.between_s = 0.0  # the engine thread's time in steps and between them (TIMES)
         self.gauges = Gauges({"model": args["model_name"], "instance": args["model_instance_name"]})
         self._report()
         self.loop = threading.Thread(target=self._engine, name="microspec-engine", daemon=True)
@@ -224,6 +291,7 @@ class TritonPythonModel:
         self.stopping = True
         self.inbox.put(None)
         self.loop.join(timeout=30)
+        self.responses.close()  # the loop's last responses (shutdown errors) go out first
         self.gauges.close()
         if self.tp > 1:
             tp_serving.stop()
@@ -251,7 +319,7 @@ class TritonPythonModel:
         self.llm.check(ids, max_tokens)  # UserError for a prompt too long for the engine
         given = {k: _input(request, name) for k, name in SAMPLING_INPUTS.items()}
         sampling = SamplingParams(**{k: v[0].item() for k, v in given.items() if v is not None})  # UserError if bad
-        return Job(sender=sender, prompt_ids=ids, max_tokens=max_tokens,
+        return Job(sender=sender, prompt_ids=ids, max_tokens=max_tokens, text_of=TextStream(self.llm.tokenizer),
                    stream=bool(stream[0]) if stream is not None else False,
                    end_id=int(end_id[0]) if end_id is not None else None,
                    stop_words=[w for w in (_decode(b, "stop_words") for b in stop) if w] if stop is not None else [],
@@ -274,13 +342,23 @@ class TritonPythonModel:
         cancelled ones and runs one step of the batch."""
         if self.llm.device.index is not None:  # the current GPU is per thread (serve --gpus 0,1: the one on GPU 1)
             torch.cuda.set_device(self.llm.device)
+        t_end = None  # when the last step ended (None: the engine was idle since)
         while self._take():
-            stopping = self._stopping()
-            for job in list(self.batch.values()):
-                if stopping or job.sender.is_cancelled():  # shut down, or the client cancelled or went away
-                    self._end(job, _shutdown() if stopping else _error("the request was cancelled", "CANCELLED"))
+            stopping, now = self._stopping(), time.monotonic()
+            if stopping or now >= self.next_cancel_check:
+                self.next_cancel_check = now + CANCEL_CHECK_S
+                for job in list(self.batch.values()):
+                    if stopping or job.sender.is_cancelled():  # shut down, or the client cancelled or went away
+                        self._end(job, _shutdown() if stopping else _error("the request was cancelled", "CANCELLED"))
             if not self.sched.idle:  # also after a cancel: its blocks go back at this boundary
+                t0 = time.perf_counter()
+                if t_end is not None:
+                    self.between_s += t0 - t_end
                 self._step_batch()
+                t_end = time.perf_counter()
+                self.step_s += t_end - t0
+            else:
+                t_end = None  # (the wait for the next request is no host work)
             self._report()
         for job in list(self.batch.values()):
             self._end(job, _shutdown())
@@ -320,11 +398,11 @@ class TritonPythonModel:
         """A request's new tokens (final: its generation is over): stream the text they complete, and end the output
         at its end_id or first stop word (neither is part of it). True when the request is over."""
         job.ids += toks
-        end = job.end_id in job.ids
+        end = job.end_id in toks  # (an end_id of earlier tokens ended the request then)
         if not (final or end or job.stream or job.stop_words):
             return False  # nothing to send or search yet: decoded once, at the end
-        text = self.llm.tokenizer.decode(job.ids[:job.ids.index(job.end_id)] if end else job.ids)
-        if text.endswith("\ufffd") and not (final or end):
+        text = job.text_of(job.ids[:job.ids.index(job.end_id)] if end else job.ids, final or end)
+        if text is None:
             return False  # an incomplete UTF-8 sequence: wait for the tokens that complete it
         cut = min((i for i in (text.find(w) for w in job.stop_words) if i >= 0), default=len(text))
         over = final or end or cut < len(text)
@@ -333,7 +411,7 @@ class TritonPythonModel:
         hold = 0 if over else max((_held(text, w) for w in job.stop_words), default=0)
         piece, job.text = text[len(job.text):cut - hold], text[:cut - hold]
         if job.stream and piece:
-            _send(job.sender, _response(piece))
+            self.responses.put(job.sender, lambda: _response(piece))
         return over
 
     def _end(self, job: Job, response) -> None:
@@ -344,10 +422,11 @@ class TritonPythonModel:
         with self.cond:  # first: execute then takes Triton's next request before this client can send another
             self.load -= 1
             self.cond.notify_all()
-        _send(job.sender, response, final=True)
+        self.responses.put(job.sender, response, final=True)
 
     def _report(self) -> None:
         s = self.sched
         tree = next((r.tree for r in reversed(s.history) if r.tree), 0)  # the last decoding step's
         self.gauges.set(len(s.running), len(s.waiting), s.blocks.used, s.blocks.num_blocks - 1, tree)
+        self.gauges.count(self.step_s, self.between_s, self.responses.busy)
 
