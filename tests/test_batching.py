@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trtllm_microspec import LLM
-from trtllm_microspec.engine.block_manager import GIB, block_bytes
+from plugins.layers import KV_BLOCK
+from trtllm_microspec.engine.block_manager import GIB, BlockManager, block_bytes
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.speculative.sampling import SamplingParams
 
@@ -279,3 +280,59 @@ def test_sampled_batch_bf16(engine_dir):
     assert llm.generate(CASES[1][0], 6, temperature=0.8, seed=1).num_new_tokens == 6
     results = llm.generate([CASES[1][0], CASES[3][0]], 6, temperature=0.8, seed=1)
     assert [r.num_new_tokens for r in results] == [6, 6] and all(r.stats["rounds"] > 0 for r in results)
+
+
+def test_prefix_cache_blocks():
+    """The pool's prefix cache alone: a leaving request registers its full blocks; a joining one takes the longest
+    registered run that starts its prompt (its last token left out), shared and counted per holder; free blocks are
+    handed out unregistered ones first, then registered ones from a run's end; a block handed out again is forgotten
+    and so is what followed it."""
+    bm = BlockManager(7, 8, prefix_cache=True)  # blocks 1..6
+    toks = list(range(100))
+    assert bm.match(1, toks) == [] and bm.grow(1, 100) == [1, 2, 3, 4]
+    bm.release(1, toks[:99])  # 99 tokens in its cache: 3 full blocks
+    assert len(bm.cached) == 3 and bm.used == 0
+    assert bm.match(2, toks[:97]) == [1, 2, 3]  # 96 tokens cached, the 97th to compute
+    assert bm.match(3, toks[:96]) == [1, 2]  # its last token is computed: the third block is not taken
+    assert bm.match(4, toks[:40] + [7] * 40) == [1]
+    assert bm.refs[1:5] == [3, 2, 1, 0] and bm.used == 3
+    for rid in (2, 3, 4):
+        bm.release(rid, None)
+    assert bm.used == 0 and bm.grow(5, 64) == [4, 5]  # unregistered blocks first
+    assert bm.grow(5, 5 * 32) == [6, 3, 2]  # then registered ones, a run's end first: 3 and 2 forgotten
+    assert len(bm.cached) == 1 and bm.match(6, toks) == [1]
+    bm.release(6, None)
+    bm.release(5, list(range(1000, 1160)))  # blocks 4, 5, 6, 3, 2 under other tokens
+    assert bm.match(7, list(range(1000, 1100))) == [4, 5, 6] and bm.match(8, toks) == [1]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefix_cache_next_turn(engine_dir, overlap):
+    """A conversation's next turn prefills only its new turn: its history's full blocks come from the blocks the
+    first turn left; two requests sharing that prompt share its blocks while they run; a small pool hands the cached
+    blocks out again and a later request then computes its prompt. Every output is that of the same request on an
+    engine with no prefix cache (and the pool gets every block back)."""
+    c = LLM(engine_dir, "ar", device="cpu", max_batch=4, overlap=overlap)
+    plain = LLM(engine_dir, "ar", device="cpu", max_batch=4, overlap=overlap, prefix_cache=False)
+    sched, ref = c.scheduler(), plain.scheduler()
+
+    def run(s, *prompts):
+        reqs = [s.add(p, 24) for p in prompts]
+        s.run(reqs)
+        s.step()  # the boundary after the last step: their blocks are back
+        return reqs
+
+    first = c.prompt_ids(CASES[0][0] + " Answer in one long sentence about its history.", True)
+    a, = run(sched, first)
+    again = first + a.out + c.tokenizer.encode("\nAnd of Italy? " * 4)
+    b, d = run(sched, again, again)  # both take the first turn's blocks at once
+    fed = len(first) + len(a.out) - 1  # the first turn's last token was never fed back
+    assert b.stats.cached_tokens == d.stats.cached_tokens == fed // KV_BLOCK * KV_BLOCK > 0
+    assert [b.out, d.out] == [r.out for r in run(ref, again, again)]
+    assert a.out == run(ref, first)[0].out and sched.blocks.used == 0
+    assert len(sched.blocks.cached) >= len(again) // KV_BLOCK - 1
+    # every free block taken: the cached ones are handed out (forgotten), and `again` is computed in full
+    sched.blocks.grow(-1, KV_BLOCK * len(sched.blocks.free))
+    sched.blocks.release(-1)
+    e, = run(sched, again)
+    assert e.stats.cached_tokens == 0 and e.out == b.out and sched.blocks.used == 0

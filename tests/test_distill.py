@@ -80,12 +80,15 @@ def test_answers_are_the_targets_own(engine_dir, convs, shards):
     prompt2 = llm.prompt_ids(msgs, chat=True)
     assert ids[:len(prompt2)].tolist() == prompt2
     assert answers(ids, mask)[1] == llm.generate([msgs], TOKENS, chat=True)[0].token_ids
+    # the second turns took their history's KV from the prefix cache (the first turns', whole blocks of it)
+    assert 0 < second["run"]["cached_tokens"] < second["run"]["prompt_tokens"]
 
 
 def test_resume_skips_what_is_done_and_refuses_other_settings(engine_dir, convs, shards):
     out, _, _ = shards
     again = distill(engine_dir, out, turns=2, max_tokens=TOKENS, device="cpu", data=convs[:10])
-    assert again["run"] == {"answers": 0, "answer_tokens": 0, "conversations": 0, "skipped": 0}
+    assert again["run"] == {"answers": 0, "answer_tokens": 0, "conversations": 0, "skipped": 0, "prompt_tokens": 0,
+                            "cached_tokens": 0}
     with pytest.raises(UserError, match="other settings"):
         distill(engine_dir, out, turns=1, max_tokens=TOKENS, device="cpu", data=convs[:10])
 

@@ -170,6 +170,7 @@ def test_completion_equals_offline(served, offline, stream):
     assert text == want.text
     assert finish == ("length" if want.num_new_tokens == MAX_TOKENS else "stop")
     assert (usage.prompt_tokens, usage.completion_tokens) == (want.stats["prompt_tokens"], want.num_new_tokens)
+    assert usage.prompt_tokens_details.cached_tokens == want.stats["cached_tokens"]
     assert extra["microspec"]["acceptance_length"] == pytest.approx(want.stats["acceptance_length"], rel=1e-5)
     assert extra["microspec"]["mean_active_vocab"] > 0  # the draft really ran with a MicroSpec window
 

@@ -113,6 +113,7 @@ def test_outputs_equal_offline(server, offline, stream):
         assert got.text == want.text
         assert got.stats["num_output_tokens"] == want.num_new_tokens
         assert got.stats["num_input_tokens"] == want.stats["prompt_tokens"]
+        assert got.stats["num_cached_tokens"] == want.stats["cached_tokens"] == 0  # (a speculative method: none)
         assert got.stats["acceptance_length"] == pytest.approx(want.stats["acceptance_length"], rel=1e-5)
         assert got.stats["mean_active_vocab"] == pytest.approx(want.stats["vocab_mean"], rel=1e-5)
         assert got.stats["mean_active_vocab"] > 0  # the draft really ran with a MicroSpec window

@@ -16,6 +16,9 @@ from .models.registry import DEFAULT_MODEL, MODELS, UserError
 OVERLAP_HELP = ("the batched engine schedules and launches each AR step (and each plain step of a speculative method) "
                 "while the one before runs on the GPU, reading its tokens one step late (default: on; --no-overlap: "
                 "synchronous)")
+PREFIX_CACHE_HELP = ("AR's batched engine keeps the KV blocks of requests that ended and starts a new request from "
+                     "those holding its prompt's start, prefilling only the rest (a conversation's next turn, a "
+                     "shared system prompt; default: on, bench: off for ours and vLLM alike)")
 FEATURE_MODULES = [
     "trtllm_microspec.vocab.frequency",
     "trtllm_microspec.train.train_draft",
@@ -79,6 +82,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
                    "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
     p.add_argument("--spec-policy", choices=["auto", "fixed"], help="speculative methods in the batched engine: "
                    "auto picks each step's draft tree (plain decoding included) from the step's measured cost and "
                    "the requests' acceptance, for the most tokens per second; fixed always runs the configured tree "
@@ -112,7 +116,8 @@ def llm_from_args(a: argparse.Namespace, method: str | None = None):
                total_tokens=a.total_tokens, max_seq_len=a.max_seq_len, cuda_graphs=not a.eager, dtype=a.dtype,
                tp=a.tp, tp_timeout=a.tp_timeout, max_batch=getattr(a, "max_batch", None),
                kv_memory=getattr(a, "kv_memory", None), max_num_tokens=getattr(a, "max_num_tokens", None),
-               spec_policy=getattr(a, "spec_policy", "auto"), overlap=getattr(a, "overlap", None))
+               spec_policy=getattr(a, "spec_policy", "auto"), overlap=getattr(a, "overlap", None),
+               prefix_cache=getattr(a, "prefix_cache", True))
 
 
 def resolve_tree(a: argparse.Namespace, device: str | None = None):

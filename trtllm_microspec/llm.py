@@ -117,7 +117,8 @@ class LLM:
                  total_tokens: int | None = None, max_seq_len: int | None = None, cuda_graphs: bool = True,
                  dtype: str | None = None, tp: int = 1, tp_timeout: float = parallel.DEFAULT_TIMEOUT_S,
                  max_batch: int | None = None, kv_memory: float | None = None, max_num_tokens: int | None = None,
-                 spec_policy: str = "auto", overlap: bool | None = None, k_tree: int | None = None):
+                 spec_policy: str = "auto", overlap: bool | None = None, k_tree: int | None = None,
+                 prefix_cache: bool = True):
         """depth / top_k / total_tokens left None: the device's tree (speculative.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
@@ -128,7 +129,10 @@ class LLM:
         plain step) while the one before runs on the GPU, reading its tokens one step late (engine/scheduler.py;
         None: DEFAULT_OVERLAP, on).
         k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node, the rejected
-        ones too (None: k_tree_for's default, 3 for microspec, 0 for the paper's window and the ablations)."""
+        ones too (None: k_tree_for's default, 3 for microspec, 0 for the paper's window and the ablations).
+        prefix_cache: AR's batched engine keeps the KV blocks of requests that ended and gives a new request the
+        ones that start its prompt, prefilling only the rest (engine/block_manager.py; a speculative method's
+        requests prefill their whole prompt)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
@@ -178,7 +182,7 @@ class LLM:
         self.max_batch = max_batch or DEFAULT_MAX_BATCH[self.device.type]
         self.kv_memory, self.max_num_tokens = kv_memory, max_num_tokens
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.overlap = overlap
+        self.overlap, self.prefix_cache = overlap, prefix_cache
         self._scheduler = None  # the batched engine and its KV pool, made on first use
 
     def _ranked_ids(self, draft_dir: Path) -> torch.Tensor | None:
@@ -267,7 +271,7 @@ class LLM:
             from .engine.scheduler import Scheduler
             if self.method == "ar":
                 runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs,
-                                     max_num_tokens=self.max_num_tokens)
+                                     max_num_tokens=self.max_num_tokens, prefix_cache=self.prefix_cache)
             else:
                 runner = SpecRunner(self.target, self.draft, self.vocab, self.tree, self.k_pre, self.k_ver,
                                     self.max_batch, self.kv_memory, self.cuda_graphs, self.max_num_tokens,

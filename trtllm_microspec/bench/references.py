@@ -42,7 +42,7 @@ def make_reference(method: str, a):
     if method == HF_COMPILED:
         return HFCompiled(a.engine, a.device, a.dtype, a.max_seq_len)
     return VLLMReference(a.engine, a.device, a.dtype, a.max_seq_len, eagle=method == VLLM_EAGLE, draft=a.draft,
-                         depth=a.depth, max_num_seqs=max(a.concurrency or [32]))
+                         depth=a.depth, max_num_seqs=max(a.concurrency or [32]), prefix_cache=a.prefix_cache)
 
 
 def hf_config(engine_dir: Path) -> dict:
@@ -255,7 +255,8 @@ class VLLMReference:
     model lives in a temporary directory for the life of this object."""
 
     def __init__(self, engine: str, device: str | None, dtype: str | None, max_seq_len: int | None,
-                 eagle: bool = False, draft: str | None = None, depth: int = 5, max_num_seqs: int = 32):
+                 eagle: bool = False, draft: str | None = None, depth: int = 5, max_num_seqs: int = 32,
+                 prefix_cache: bool = False):
         require_vllm()
         from ..engine.loader import pick_device, read_config
         from ..llm import resolve_engine
@@ -286,7 +287,8 @@ class VLLMReference:
 
         self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
         self.llm = LLM(**kw, skip_tokenizer_init=True, dtype=str(dt).removeprefix("torch."), max_model_len=self.max_len,
-                       gpu_memory_utilization=0.35, max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
+                       gpu_memory_utilization=0.35, max_num_seqs=max_num_seqs, seed=0,
+                       enable_prefix_caching=prefix_cache)
 
     def generate(self, prompt, max_new_tokens: int, chat: bool = True):
         """One prompt -> its Result; a list of prompts -> their Results, submitted at once (each one's wall_s is the

@@ -587,7 +587,7 @@ def _names(s: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from ..cli import OVERLAP_HELP, add_llm_args, add_sampling_args
+    from ..cli import OVERLAP_HELP, PREFIX_CACHE_HELP, add_llm_args, add_sampling_args
 
     p = sub.add_parser("bench", help="Spec-Bench + HumanEval: speed, speedup, acceptance, vocabulary per method",
                        description=__doc__)
@@ -617,6 +617,9 @@ def register(sub) -> None:
     p.add_argument("--max-num-tokens", type=int, help="the batched engine's tokens of target work per step "
                    "(default: 8192 on CUDA, 1024 on the CPU)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)
+    # off by default: a load level repeats its questions past the last (--requests), and a cached prompt would
+    # measure the cache, not the engine
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False, help=PREFIX_CACHE_HELP)
     p.add_argument("--requests-per-level", type=int, help="with --concurrency: level c decodes only the first "
                    "c x this many first turns (default: all of them at every level)")
     p.add_argument("--requests", type=int, help="with --concurrency: every level decodes this many first turns, "

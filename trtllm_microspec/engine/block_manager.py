@@ -7,10 +7,23 @@ scheduler preempts (engine/scheduler.py). A speculative request gets, when it jo
 (`allocate`: prompt + max_tokens + the slots a round writes past its committed length: its window and draft state
 could not be recomputed token for token). One that can never fit, even alone, is refused.
 Block 0 is kept out of the free list: padding rows of a batch bucket write there.
+
+Prefix caching (`prefix_cache`, AR's pool): a request that leaves (finished, cancelled or preempted) registers its
+full blocks under their tokens and the chain of blocks before them, and its blocks go back to the free list still
+holding their KV. A request that joins takes the longest run of registered blocks that starts its prompt (`match`)
+and prefills only the rest: a conversation's next turn computes its new turn, not its history again, and a
+preempted request resumes from its own blocks if they are still there. A block shared by running requests is
+counted once per holder (`refs`) and goes back when the last lets it go; free blocks are handed out unregistered
+ones first, then registered ones least recently freed first, the end of a run before its start (its start is what
+other prompts share). vLLM's automatic prefix caching and SGLang's radix cache do the same; their writes into a
+shared block are avoided the same way here: only full blocks are shared, and a prompt's last token is always
+computed (its logits give the first token).
 """
 from __future__ import annotations
 
+import itertools
 import os
+from collections import OrderedDict
 
 import torch
 
@@ -53,12 +66,19 @@ def pool_blocks(kv_memory: float, bytes_per_block: int, device: torch.device) ->
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, max_blocks_per_request: int):
+    def __init__(self, num_blocks: int, max_blocks_per_request: int, prefix_cache: bool = False):
         if num_blocks < 2:
             raise UserError(f"the KV-cache budget holds {num_blocks} blocks of {KV_BLOCK} slots; raise --kv-memory")
-        self.num_blocks, self.max_blocks = num_blocks, max_blocks_per_request
-        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # popped from the end: low ids first
+        self.num_blocks, self.max_blocks, self.prefix_cache = num_blocks, max_blocks_per_request, prefix_cache
+        # free blocks in the order they are handed out, from the end: low ids first, then the last given back
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks - 1, 0, -1))
         self.owned: dict[int, list[int]] = {}  # request id -> its blocks
+        self.refs = [0] * num_blocks  # holders of each block
+        # prefix cache: (the key of the block before, or None; the block's tokens) -> block, and each registered
+        # block's (key, serial); a serial is never reused, so a block handed out again orphans what followed it
+        self.cached: dict[tuple, int] = {}
+        self.key_of: dict[int, tuple[tuple, int]] = {}
+        self.serials = itertools.count()
 
     @staticmethod
     def blocks_for(slots: int) -> int:
@@ -80,11 +100,40 @@ class BlockManager:
     def can_allocate(self, slots: int) -> bool:
         return self.blocks_for(slots) <= len(self.free)
 
+    def _take(self, n: int) -> list[int]:
+        """n free blocks, each forgotten by the prefix cache."""
+        out = [self.free.popitem()[0] for _ in range(n)]
+        for b in out:
+            self.refs[b] = 1
+            if b in self.key_of:
+                del self.cached[self.key_of.pop(b)[0]]
+        return out
+
     def allocate(self, rid: int, slots: int) -> list[int]:
         need = self.blocks_for(slots)
         assert rid not in self.owned and need <= len(self.free)
-        self.owned[rid] = [self.free.pop() for _ in range(need)]
+        self.owned[rid] = self._take(need)
         return self.owned[rid]
+
+    def match(self, rid: int, tokens: list[int]) -> list[int]:
+        """Request rid (holding nothing yet) takes the registered blocks that hold the longest run of full blocks
+        starting `tokens`, the last token left out (it is to be computed); returns them (their KV is that of
+        tokens[:KV_BLOCK * len(them)])."""
+        assert rid not in self.owned
+        got, parent = [], None
+        if self.prefix_cache:
+            for i in range((len(tokens) - 1) // KV_BLOCK):
+                b = self.cached.get((parent, tuple(tokens[i * KV_BLOCK:(i + 1) * KV_BLOCK])))
+                if b is None:
+                    break
+                got.append(b)
+                parent = self.key_of[b][1]
+        for b in got:
+            if self.refs[b] == 0:
+                del self.free[b]
+            self.refs[b] += 1
+        self.owned[rid] = got
+        return got
 
     def grow(self, rid: int, slots: int) -> list[int] | None:
         """Blocks so that request rid holds `slots` slots: the new ones (possibly none), or None (nothing taken)
@@ -95,16 +144,37 @@ class BlockManager:
             return []
         if need > len(self.free):
             return None
-        new = [self.free.pop() for _ in range(need)]
+        new = self._take(need)
         have += new
         return new
 
     def held(self, rid: int) -> int:
         return len(self.owned.get(rid, ()))
 
-    def release(self, rid: int) -> None:
-        """Give a request's blocks back (idempotent: finish, cancel and error paths may all call it)."""
-        self.free += reversed(self.owned.pop(rid, []))
+    def release(self, rid: int, tokens: list[int] | None = None) -> None:
+        """Give a request's blocks back (idempotent: finish, cancel and error paths may all call it). tokens: those
+        whose KV its blocks hold, in order (prefix cache: its full blocks are registered under them)."""
+        blocks = self.owned.pop(rid, [])
+        if self.prefix_cache and tokens is not None:
+            self._register(blocks, tokens)
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free[b] = None
+                if b in self.key_of:  # handed out after the unregistered ones, the run's start last
+                    self.free.move_to_end(b, last=False)
+
+    def _register(self, blocks: list[int], tokens: list[int]) -> None:
+        parent = None
+        for i, b in enumerate(blocks[:len(tokens) // KV_BLOCK]):
+            if b not in self.key_of:
+                key = (parent, tuple(tokens[i * KV_BLOCK:(i + 1) * KV_BLOCK]))
+                if key in self.cached:  # the same tokens in another block already: the chain goes on through it
+                    parent = self.key_of[self.cached[key]][1]
+                    continue
+                self.cached[key] = b
+                self.key_of[b] = (key, next(self.serials))
+            parent = self.key_of[b][1]
 
     @property
     def used(self) -> int:

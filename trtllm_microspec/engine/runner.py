@@ -128,9 +128,12 @@ class BatchRunner:
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
                  cuda_graphs: bool = False, draft_cfg: ModelConfig | None = None, reserve: int = 1,
-                 max_num_tokens: int | None = None, decode_rows: int = 1, slot_bytes: int = 0):
+                 max_num_tokens: int | None = None, decode_rows: int = 1, slot_bytes: int = 0,
+                 prefix_cache: bool = False):
         """slot_bytes: bytes a caller keeps per pool slot beside the KV (SpecRunner.prompt_rows), so the
-        pool's budget counts them."""
+        pool's budget counts them. prefix_cache: a joining request takes the KV of its prompt's start from the blocks
+        earlier requests left (block_manager.py; AR's pool alone: a speculative request's window and draft state
+        start from its whole prompt)."""
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
         self.target, self.max_batch, self.device = target, max_batch, dev
         self.stop_ids = list(c.eos_ids)
@@ -151,7 +154,7 @@ class BatchRunner:
         check_fits(f"the block table of max_batch {max_batch}", (max_batch + 1) * width * 8, dev)
         # under --tp every rank schedules alike: the same pool on each (the smallest of their free memories)
         self.blocks = BlockManager(parallel.agree(pool_blocks(kv_memory, self.block_bytes, dev), dev, "min"),
-                                   -(-c.max_seq_len // KV_BLOCK))
+                                   -(-c.max_seq_len // KV_BLOCK), prefix_cache and self.grows)
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
         # one table row per batch slot, plus the padding slot (all block 0)
         self.table = torch.zeros(max_batch + 1, width, dtype=torch.long, device=dev)

@@ -172,7 +172,7 @@ class Scheduler:
         req.done = True
         req.stats.stop_reason = reason
         req.stats.wall_s = time.perf_counter() - req.t_submit
-        self.blocks.release(req.rid)
+        self.blocks.release(req.rid, None if reason == "error" else self._cached(req))
         self.runner.leave(req)
         self._finished = True
 
@@ -207,11 +207,17 @@ class Scheduler:
         # before a step that might preempt one; a prompt's chunk may preempt a later prompt meanwhile)
         assert self.pending is None or req.prefilling, "a decoding request preempted while its step is in flight"
         self.running.remove(req)
-        self.blocks.release(req.rid)
+        self.blocks.release(req.rid, self._cached(req))
         self.runner.preempt(req)
         req.resumed, req.prefilled, req.n = len(req.out), 0, 0
         req.preemptions += 1
         self.waiting.appendleft(req)  # victims are taken from the end of `running`: their order is kept
+
+    @staticmethod
+    def _cached(req: Request) -> list[int]:
+        """The tokens whose KV req's blocks hold: its first n of prompt and output (with overlap a step in flight
+        may have written a slot whose token the host has not read yet: that slot is left out)."""
+        return (req.prompt + req.out)[:req.n]
 
     def _schedule(self) -> tuple[list[tuple[Request, int]], list[Request], int]:
         """This step's prompt chunks (request, tokens) and decoding requests, and how many were preempted."""
@@ -266,11 +272,16 @@ class Scheduler:
                                             self.runner.slots_for(req.prompt, req.max_new_tokens)):
                 break  # waits for blocks that running requests will free
             self.waiting.popleft()
-            self.runner.join(req, [] if self.runner.grows else
-                             self.blocks.allocate(req.rid, self.runner.slots_for(req.prompt, req.max_new_tokens)))
+            if self.runner.grows:  # its prompt's start from the prefix cache, if there (none without one)
+                blocks = self.blocks.match(req.rid, req.chunk(req.seq_len))
+                req.prefilled = req.n = KV_BLOCK * len(blocks)
+                req.stats.cached_tokens += req.prefilled
+            else:
+                blocks = self.blocks.allocate(req.rid, self.runner.slots_for(req.prompt, req.max_new_tokens))
+            self.runner.join(req, blocks)
             self.running.append(req)
-            c = min(budget, req.seq_len)
-            assert self._grow(req, c)
+            c = min(budget, req.seq_len - req.prefilled)
+            assert self._grow(req, req.prefilled + c)
             chunks.append((req, c))
             budget -= c
         self.runner.map_blocks(self._updates)

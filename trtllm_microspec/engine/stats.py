@@ -9,6 +9,7 @@ import numpy as np
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (a resumed request's again too)
     new_tokens: int = 0
     rounds: int = 0  # draft/verify rounds (0 for AR)
     round_tokens: int = 0  # tokens the rounds emitted (accepted + bonus), before EOS / budget truncation

@@ -24,7 +24,8 @@ MODEL_NAME = "microspec"
 # the most stop words one request may give (OpenAI allows 4): the engine loop searches each one after every step of
 # the whole batch, so a request with thousands would slow every other request down
 MAX_STOP_WORDS = 32
-STAT_OUTPUTS = ("num_input_tokens", "num_output_tokens", "acceptance_length", "mean_active_vocab")
+STAT_OUTPUTS = ("num_input_tokens", "num_output_tokens", "num_cached_tokens", "acceptance_length",
+                "mean_active_vocab")
 SAMPLING_INPUTS = {"temperature": (np.float32, "FP32"), "top_p": (np.float32, "FP32"), "top_k": (np.int32, "INT32"),
                    "random_seed": (np.uint64, "UINT64")}
 
@@ -236,6 +237,7 @@ def _outputs(text: str | None, usage: dict | None = None, spec: dict | None = No
     if usage is not None:
         out |= {"num_input_tokens": np.array([usage["prompt_tokens"]]),
                 "num_output_tokens": np.array([usage["completion_tokens"]]),
+                "num_cached_tokens": np.array([(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)]),
                 "acceptance_length": np.array([spec["acceptance_length"]]),
                 "mean_active_vocab": np.array([spec["mean_active_vocab"]])}
     return out

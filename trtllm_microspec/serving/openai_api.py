@@ -360,7 +360,9 @@ def finish_reason(out: dict, max_tokens: int) -> str:
 
 def usage(out: dict) -> dict:
     p, c = int(out["num_input_tokens"][0]), int(out["num_output_tokens"][0])
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    # OpenAI's field for the prompt tokens a provider's prompt cache held (here: the prefix cache's)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": int(out["num_cached_tokens"][0])}}
 
 
 def spec_stats(out: dict) -> dict:

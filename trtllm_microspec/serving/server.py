@@ -65,6 +65,7 @@ output [
   {{ name: "text_output" data_type: TYPE_STRING dims: [ 1 ] }},
   {{ name: "num_input_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
   {{ name: "num_output_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "num_cached_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
   {{ name: "acceptance_length" data_type: TYPE_FP32 dims: [ 1 ] }},
   {{ name: "mean_active_vocab" data_type: TYPE_FP32 dims: [ 1 ] }}
 ]
@@ -88,7 +89,8 @@ def model_params(a: argparse.Namespace) -> dict[str, str]:
             "max_num_tokens": "" if a.max_num_tokens is None else str(a.max_num_tokens),
             "kv_memory": "" if a.kv_memory is None else str(a.kv_memory), "tp": str(a.tp),
             "tp_timeout": str(a.tp_timeout), "spec_policy": getattr(a, "spec_policy", "auto"),
-            "overlap": "" if getattr(a, "overlap", None) is None else str(a.overlap).lower()}
+            "overlap": "" if getattr(a, "overlap", None) is None else str(a.overlap).lower(),
+            "prefix_cache": str(getattr(a, "prefix_cache", True)).lower()}
 
 
 def check_queue_size(n: int) -> None:

@@ -122,6 +122,7 @@ def _response(text: str, stats: dict | None = None):
     if stats is not None:
         out += [pb_utils.Tensor("num_input_tokens", np.array([stats["prompt_tokens"]], np.int32)),
                 pb_utils.Tensor("num_output_tokens", np.array([stats["new_tokens"]], np.int32)),
+                pb_utils.Tensor("num_cached_tokens", np.array([stats["cached_tokens"]], np.int32)),  # prefix cache
                 # NaN: no speculative round ran (the statistics' None; a tensor has no null)
                 *(pb_utils.Tensor(name, np.array([np.nan if v is None else v], np.float32)) for name, v in
                   (("acceptance_length", stats["acceptance_length"]), ("mean_active_vocab", stats["vocab_mean"])))]
@@ -226,7 +227,8 @@ class TritonPythonModel:
         kwargs = dict(engine=p["engine_dir"], method=p.get("method", "ar"), draft=p.get("draft_dir") or None,
                       device=device, dtype=p.get("dtype") or None, cuda_graphs=p.get("cuda_graphs") != "false",
                       spec_policy=p.get("spec_policy") or "auto",
-                      overlap=None if not p.get("overlap") else p["overlap"] != "false", **knobs)
+                      overlap=None if not p.get("overlap") else p["overlap"] != "false",
+                      prefix_cache=p.get("prefix_cache") != "false", **knobs)
         self.tp = knobs.get("tp", 1)
         if self.tp > 1:  # rank 0 of `microspec serve --tp`: its followers run every step with it (serving/tp.py)
             if tp_port is None:

@@ -918,7 +918,7 @@ def cmd_train_draft(a) -> None:
                             max_tokens=a.distill_max_tokens, max_prompt=a.distill_max_prompt,
                             temperature=a.distill_temperature, top_p=a.distill_top_p, top_k=a.distill_top_k,
                             seed=a.seed, max_batch=a.distill_max_batch, kv_memory=a.distill_kv_memory,
-                            device=a.device, time_limit=a.distill_time)
+                            device=a.device, time_limit=a.distill_time, prefix_cache=a.distill_prefix_cache)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the engine's KV pool goes back before the features are cached
