@@ -368,6 +368,11 @@ class Scheduler:
             return list(merged.items())
         return drained or emitted
 
+    def drain(self) -> list[tuple[Request, list[int]]]:
+        """The overlapped step in flight's tokens, read now and emitted (nothing in flight: nothing): for a caller
+        that stops between steps and wants every token made (distill's --time-limit)."""
+        return self._drain()
+
     def _events(self) -> tuple | None:
         """CUDA events around a pass (timing on), the first recorded now."""
         if not (self.timing and self.runner.device.type == "cuda"):

@@ -174,9 +174,7 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
     if not todo:
         _write_json(out / MANIFEST, m)
         return _summary(out, m, run, False, t0)
-    # synchronous steps: when --time-limit stops the run, every token a step made has been read, so each answer in
-    # flight keeps all it got (the overlapped step reads a step's tokens during the next one)
-    llm = LLM(engine_dir, method="ar", device=device, max_batch=max_batch, kv_memory=kv_memory, overlap=False,
+    llm = LLM(engine_dir, method="ar", device=device, max_batch=max_batch, kv_memory=kv_memory,
               prefix_cache=prefix_cache)
     tok, sched = llm.tokenizer, llm.scheduler()
     stop_ids = set(llm.target.cfg.eos_ids) | sched.stop_ids
@@ -241,6 +239,9 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
             if not active:
                 break
             sched.step()
+            late = time_limit is not None and perf_counter() - t0 > time_limit and not stopped
+            if late:  # the overlapped step in flight read too: each answer keeps every token the target made
+                sched.drain()
             for req in [r for r in active if r.done]:
                 c = active.pop(req)
                 if req.error:  # dropped, not marked done: a later run tries it again
@@ -264,7 +265,7 @@ def distill(engine: str | Path, out: str | Path, conversations: int | None = Non
             secs = perf_counter() - t_gen
             bar.set_postfix(req=run["answers"], tok_per_s=f"{run['answer_tokens'] / max(secs, 1e-9):,.0f}",
                             refresh=False)
-            if time_limit is not None and perf_counter() - t0 > time_limit and not stopped:
+            if late:
                 stopped = True  # what finished is kept, and what is in flight as far as it got
                 for req, c in active.items():
                     sched.cancel(req)
