@@ -423,6 +423,28 @@ def tree_select(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, best
     return tokens, par, anc.sum(2) - 1, anc
 
 
+WINDOW_HEAD_ROWS = 16  # hidden rows per request (a draft step's k, or 1) up to which window_head runs its kernel
+
+
+def window_head(hidden: torch.Tensor, fill_rows: torch.Tensor | None, packed: torch.Tensor, read: torch.Tensor,
+                id_of: torch.Tensor, R: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MicroSpec draft head of B requests (vocab/batched.py): hidden [B, T, d] against each request's scored
+    rows -- the shared fill rows [F, d] (None: none), then its packed window rows packed[read[b], :R] -- masked to
+    its ids id_of [B, F + R] (-1: not scored), log-softmax, top-k -> (logp [B, T, k] fp32, ids [B, T, k]). The
+    logits round to the activations' dtype, as the GEMM's output does. On CUDA two launches (the GEMM with the
+    log-softmax's partials and each block's top-k in its epilogue, skipping blocks with no live id; then the
+    merge) where the reference is a gather of B x R rows, the GEMMs, a concatenation and the fused top-k."""
+    B, T, _ = hidden.shape
+    if fast(hidden, packed, fill_rows) and T <= WINDOW_HEAD_ROWS and k <= WINDOW_HEAD_ROWS:
+        from .triton_layers import window_head as kernel
+        return kernel(hidden, fill_rows, packed, read, id_of, R, k)
+    from . import ops
+    logits = torch.bmm(hidden, packed.index_select(0, read)[:, :R].transpose(1, 2))
+    if fill_rows is not None:
+        logits = torch.cat([F.linear(hidden, fill_rows), logits], -1)
+    return ops.masked_topk(logits, id_of, k)  # an empty slot only wins at -inf: any id is safe
+
+
 def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, act: str | None) -> dict:
     """What `linear` runs for this call's shape: measured on the first eager call of each (shape, rows bucket)
     and kept, in this process and in the choices file (choices_path). {"config": None (cuBLAS) or a

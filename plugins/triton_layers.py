@@ -199,6 +199,32 @@ def tree_grow(cur_score, logp, ids, h, anc, step_eye):
     return score, best, tok, top, feat, anc_out
 
 
+_PAD_KEY = tl.constexpr(-9223372036854775807)  # below every _desc_key (whose least is -inf's at the largest slot)
+
+
+@triton.jit
+def _desc_key(x, slot):
+    """One int64 per candidate ordering float x first (NaN excluded: the callers map it to -inf) and, among equal
+    x, the lower slot first: the float's bits made order-preserving as a signed int32 (high half) and the slot's
+    complement in 32 bits (low half). -0.0 counts as 0.0."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (hi.to(tl.int64) << 32) | (4294967295 - slot.to(tl.int64))
+
+
+@triton.jit
+def _key_value(key):
+    """_desc_key's float."""
+    hi = (key >> 32).to(tl.int32)
+    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_slot(key):
+    """_desc_key's slot."""
+    return 4294967295 - (key & 4294967295)
+
+
 @triton.jit
 def _pool_parent(x, best_row, P, K: tl.constexpr):
     """Pool indices -> their parents' (tree_select's layout); the first level's and the sink P's: P."""
@@ -211,24 +237,20 @@ def _pool_parent(x, best_row, P, K: tl.constexpr):
 @triton.jit
 def _tree_select_kernel(root_ptr, tok_ptr, score_ptr, best_ptr, pen_ptr, tree_of_ptr, pool_of_ptr, tok_out_ptr,
                         par_out_ptr, depth_out_ptr, anc_out_ptr, P, best_stride, K: tl.constexpr, N: tl.constexpr,
-                        LEVELS: tl.constexpr, P_BLOCK: tl.constexpr, CHUNK: tl.constexpr, N_BLOCK: tl.constexpr):
+                        LEVELS: tl.constexpr, P_BLOCK: tl.constexpr, N_TOP: tl.constexpr, N_BLOCK: tl.constexpr):
     b = tl.program_id(0)  # one request
     j = tl.arange(0, P_BLOCK)  # its pool, and lane P: the sink (the root)
     ok = j < P
     key = tl.load(score_ptr + b * P + j, mask=ok, other=0.0).to(tl.float32) - tl.load(pen_ptr + j, mask=ok, other=0.0)
     key = tl.where(key == key, key, float("-inf"))  # NaN (a padding row's garbage) ranks as -inf, as in tree_grow
-    # each node's rank: the nodes before it by higher key, equal keys by lower pool index (a parent's key is >= its
-    # child's, so a parent always ranks first), counted CHUNK nodes at a time
-    rank = tl.zeros([P_BLOCK], dtype=tl.int32)
-    for i0 in range(0, P_BLOCK, CHUNK):
-        i = i0 + tl.arange(0, CHUNK)
-        iok = i < P
-        ki = tl.load(score_ptr + b * P + i, mask=iok, other=0.0).to(tl.float32) \
-            - tl.load(pen_ptr + i, mask=iok, other=0.0)
-        ki = tl.where(ki == ki, ki, float("-inf"))
-        before = ((ki[:, None] > key[None, :]) | ((ki[:, None] == key[None, :]) & (i[:, None] < j[None, :])))
-        rank += tl.sum((before & iok[:, None]).to(tl.int32), axis=0)
-    chosen = ok & (rank < N - 1)
+    # the best N-1 nodes: higher key first, equal keys by lower pool index (a parent's key is >= its child's and
+    # its index lower, so a parent always ranks first). One int64 key per node orders both (_desc_key); the
+    # (N-1)-th largest, from a bitonic top-k in registers, is the threshold (an all-pairs rank over the pool took
+    # ~80 us a round on the H200: a serial tail in one program per request)
+    ikey = tl.where(ok, _desc_key(key, j), _PAD_KEY)
+    top = tl.topk(ikey, N_TOP)
+    thr = tl.min(tl.where(tl.arange(0, N_TOP) < N - 1, top, 9223372036854775807), axis=0)
+    chosen = ok & (ikey >= thr)
     t = tl.cumsum(chosen.to(tl.int32), axis=0)  # a chosen node's tree index: 1 + the chosen before it in the pool
     # pool index -> tree index (0: not chosen, and the sink) and tree index -> pool index, through memory: the
     # ancestor walk below reads them at pool indices that other threads hold
@@ -269,9 +291,105 @@ def tree_select(root, tok, score, best, penalty, k, N):
     anc = torch.empty(B, N, N, dtype=torch.bool, device=dev)
     _tree_select_kernel[(B,)](root, tok, score, best, penalty, tree_of, pool_of, tokens, parent, depth,
                               anc.view(torch.uint8), P, best.stride(0), K=k, N=N, LEVELS=(P - k) // (k * k) + 1,
-                              P_BLOCK=triton.next_power_of_2(P + 1), CHUNK=32, N_BLOCK=triton.next_power_of_2(N),
+                              P_BLOCK=triton.next_power_of_2(P + 1), N_TOP=triton.next_power_of_2(N - 1),
+                              N_BLOCK=triton.next_power_of_2(N),
                               num_warps=8)
     return tokens, parent, depth, anc
+
+
+@triton.jit
+def _window_head_kernel(h_ptr, fill_ptr, packed_ptr, read_ptr, id_ptr, m_ptr, s_ptr, key_ptr, T, F, R,
+                        stride_slot, CF, C, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, KP: tl.constexpr, IEEE: tl.constexpr):
+    """One block of BLOCK_N scored rows of request b (the fill's rows for c < CF, else its packed window's) against
+    its T hidden rows: the masked logits' max, sum of exp and top-KP keys per hidden row, into the partials. A block
+    with no live id reads no weights (its logits are -inf whatever they are)."""
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    fill = c < CF
+    j = tl.where(fill, c, c - CF) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows within the block's part
+    col_ok = j < tl.where(fill, F, R)
+    g = tl.where(fill, j, F + j)  # and among the request's F + R scored rows
+    ids = tl.load(id_ptr + b * (F + R) + g, mask=col_ok, other=-1)
+    live = ids >= 0
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        if fill:
+            wrow = fill_ptr + j.to(tl.int64) * D
+        else:
+            wrow = packed_ptr + tl.load(read_ptr + b) * stride_slot + j.to(tl.int64) * D
+        hrow = h_ptr + (b * T + rows).to(tl.int64) * D
+        for k0 in range(0, D, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(hrow[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
+            w = tl.load(wrow[:, None] + kk[None, :], mask=live[:, None] & (kk[None, :] < D), other=0.0)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee" if IEEE else None)
+    # the reference's logits are the GEMM's output in the activations' dtype
+    logit = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+    logit = tl.where(live[None, :] & (logit == logit), logit, float("-inf"))
+    m = tl.max(logit, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(logit - m_safe[:, None]), axis=1)
+    part = (b * T + rows) * C + c
+    tl.store(m_ptr + part, m, mask=row_ok)
+    tl.store(s_ptr + part, s, mask=row_ok)
+    key = tl.where(col_ok[None, :], _desc_key(logit, g[None, :]), _PAD_KEY)
+    top = tl.topk(key, KP, dim=1)
+    tl.store(key_ptr + part[:, None] * KP + tl.arange(0, KP)[None, :], top, mask=row_ok[:, None])
+
+
+@triton.jit
+def _window_head_merge_kernel(m_ptr, s_ptr, key_ptr, id_ptr, logp_ptr, out_ids_ptr, T, C, n_ids, k,
+                              C_BLOCK: tl.constexpr, KP: tl.constexpr):
+    """One hidden row: the blocks' partials -> its log-sum-exp and top-k (log-probability, token id)."""
+    r = tl.program_id(0)
+    b = r // T
+    cs = tl.arange(0, C_BLOCK)
+    m = tl.load(m_ptr + r * C + cs, mask=cs < C, other=float("-inf"))
+    s = tl.load(s_ptr + r * C + cs, mask=cs < C, other=0.0)
+    mx = tl.max(m, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), axis=0))
+    e = tl.arange(0, C_BLOCK * KP)
+    top = tl.topk(tl.load(key_ptr + r * C * KP + e, mask=e < C * KP, other=_PAD_KEY), KP)
+    i = tl.arange(0, KP)
+    real = top != _PAD_KEY  # (only where the block rows number fewer than k)
+    ids = tl.load(id_ptr + b * n_ids + _key_slot(top), mask=real & (i < k), other=0)
+    tl.store(logp_ptr + r * k + i, tl.where(real, _key_value(top) - lse, float("-inf")), mask=i < k)
+    tl.store(out_ids_ptr + r * k + i, tl.maximum(ids, 0), mask=i < k)  # an empty slot only wins at -inf
+
+
+WINDOW_HEAD_BLOCK_N = int(os.environ.get("MICROSPEC_HEAD_BLOCK_N", "64"))
+
+
+def window_head(hidden, fill_rows, packed, read, id_of, R, k, block_n=None):
+    """layers.window_head in two launches: every (block of scored rows, request) program scores its block against
+    the request's hidden rows and keeps each row's max, sum of exp and top-k keys; one program per hidden row
+    merges them. hidden [B, T, d] (T <= 16), fill_rows [F, d] or None, packed [slots, >= R, d], read [B] (each
+    request's slot), id_of [B, F + R] -> (logp [B, T, k] fp32, ids [B, T, k])."""
+    import torch
+
+    B, T, D = hidden.shape
+    BN = block_n or WINDOW_HEAD_BLOCK_N
+    F = 0 if fill_rows is None else fill_rows.shape[0]
+    CF, CW = triton.cdiv(F, BN), triton.cdiv(R, BN)
+    C, KP = CF + CW, max(triton.next_power_of_2(k), 2)
+    assert T <= 16 and KP <= BN and packed.stride(1) == D and packed.stride(2) == 1
+    dev = hidden.device
+    hidden, id_of, read = hidden.contiguous(), id_of.contiguous(), read.contiguous()
+    m = torch.empty(B * T * C, dtype=torch.float32, device=dev)
+    s = torch.empty_like(m)
+    key = torch.empty(B * T * C * KP, dtype=torch.long, device=dev)
+    _window_head_kernel[(C, B)](hidden, packed if fill_rows is None else fill_rows, packed, read, id_of, m, s, key,
+                                T, F, R, packed.stride(0), CF, C, D=D, BLOCK_M=16, BLOCK_N=BN, BLOCK_K=64, KP=KP,
+                                IEEE=hidden.dtype == torch.float32, num_warps=4)
+    logp = torch.empty(B, T, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(B, T, k, dtype=torch.long, device=dev)
+    _window_head_merge_kernel[(B * T,)](m, s, key, id_of, logp, ids, T, C, F + R, k,
+                                        C_BLOCK=triton.next_power_of_2(C), KP=KP, num_warps=4)
+    return logp, ids
 
 
 @triton.jit
