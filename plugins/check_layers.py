@@ -93,28 +93,30 @@ def check_topk(dev, dtype, g, T: int, V: int, k: int) -> float:
 
 
 def check_window_head(dev, dtype, g, B: int, T: int, F: int, R: int, d: int, k: int) -> float:
-    """window_head: B requests' draft head over the shared fill rows and each one's packed window (slots read out
-    of order, one twice), most ids empty and whole blocks of them (rows the kernel skips), a NaN row in an empty
-    slot, a padding request reading another's rows. Each pick's log-probability against the reference's at the
+    """window_head: B requests' draft head over the shared fill rows and each one's packed window (slots out of
+    order, the last request padding), most ids empty and whole blocks of them (rows the kernel never reads), a NaN
+    row in an empty slot. Each real request's pick's log-probability against the reference's at the
     same id (ties may pick other ids of an equal value) and the sorted values against the reference's: the
     largest error, relative to the largest |logp|."""
     S = B + 2
     hidden = torch.randn(B, T, d, generator=g).to(dev, dtype)
     fill = torch.randn(F, d, generator=g).to(dev, dtype) if F else None
     packed = torch.randn(S, R + 1, d, generator=g).to(dev, dtype)
-    read = torch.randperm(S, generator=g)[:B]
-    read[-1] = read[0]
+    batch = torch.randperm(S, generator=g)[:B]
+    batch[-1] = S + 1  # a padding request (a slot past top = S): it reads slot S - 1's rows, its draws dropped
+    read, into = batch.clamp(max=S - 1), torch.where(batch < S, batch, S)
     live = torch.rand(S, F + R, generator=g) < 0.3
     live[:, F + R // 2: F + R // 2 + 2 * 64] = False  # two empty blocks of the window's rows
     if F:
         live[:, : min(F, 64)] = False  # and one of the fill's
+    live[:, F + 1] = False
+    packed[:, 1] = float("nan")  # an empty slot's row: garbage the kernel must not let through
     ids = torch.randperm(50000, generator=g)[:S * (F + R)].view(S, F + R)
     id_of = torch.where(live, ids, -1)
-    empty = int((~live[0, F:]).nonzero()[0, 0])
-    packed[:, empty] = float("nan")
-    id_of, read = id_of[read].to(dev), read.to(dev)
-    (lp1, id1), (lp2, id2) = both(lambda: layers.window_head(hidden, fill, packed, read, id_of, R, k))
-    lp1, id1, lp2, id2 = lp1.cpu(), id1.cpu(), lp2.cpu(), id2.cpu()
+    id_of, read, into = id_of[read].to(dev), read.to(dev), into.to(dev)
+    (lp1, id1), (lp2, id2) = both(lambda: layers.window_head(hidden, fill, packed[:S], read, into, id_of, R, k))
+    lp1, id1, lp2, id2 = lp1[:-1].cpu(), id1[:-1].cpu(), lp2[:-1].cpu(), id2[:-1].cpu()  # (the padding's dropped)
+    B -= 1
     scale = lp2.abs().max().item()
     err = (lp1 - lp2).abs().max().item() / scale
     for b in range(B):
@@ -777,10 +779,10 @@ def cases(dev: str, big: bool, g):
             yield (f"tree_grow B={B} k={k} depth={depth} d={d} {str(dtype).removeprefix('torch.')}", 0.0,
                    lambda B=B, k=k, depth=depth, d=d, dtype=dtype: check_tree_grow(dev, dtype, g, B, k, depth, d))
     # (B, T, F, R, d, k): a round's head calls at qwen2.5-coder-1.5b's W_max (fill and window) and small ones
-    wh = [(1, 1, 3072, 3072, 1536, 10), (3, 10, 3072, 3072, 1536, 10), (2, 10, 0, 3072, 1536, 10),
+    wh = [(2, 1, 3072, 3072, 1536, 10), (3, 10, 3072, 3072, 1536, 10), (2, 10, 0, 3072, 1536, 10),
           (4, 3, 100, 300, 96, 3)] if big else [(2, 10, 200, 300, 32, 10), (2, 1, 0, 130, 32, 3)]
     for dtype in dtypes:
-        for B, T, F, R, d, k in wh:
+        for B, T, F, R, d, k in wh:  # (B: the last request is padding)
             yield (f"window_head B={B} T={T} F={F} R={R} d={d} k={k} {str(dtype).removeprefix('torch.')}", TOL[dtype],
                    lambda B=B, T=T, F=F, R=R, d=d, k=k, dtype=dtype: check_window_head(dev, dtype, g, B, T, F, R, d, k))
     # (rows, vocabulary, k): the LM head's top-K_pre / K_ver / k_tree rows; a vocabulary that 128 does not divide

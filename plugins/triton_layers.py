@@ -302,8 +302,9 @@ def _window_head_kernel(h_ptr, fill_ptr, packed_ptr, read_ptr, id_ptr, m_ptr, s_
                         stride_slot, CF, C, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, KP: tl.constexpr, IEEE: tl.constexpr):
     """One block of BLOCK_N scored rows of request b (the fill's rows for c < CF, else its packed window's) against
-    its T hidden rows: the masked logits' max, sum of exp and top-KP keys per hidden row, into the partials. A block
-    with no live id reads no weights (its logits are -inf whatever they are)."""
+    its T hidden rows: the masked logits' max, sum of exp and top-KP keys per hidden row, into the partials. A row
+    with no live id is never read (its loads are masked: its logit is -inf whatever it is); the K loop is left
+    unconditional so that Triton pipelines its loads."""
     c = tl.program_id(0)
     b = tl.program_id(1)
     fill = c < CF
@@ -314,18 +315,17 @@ def _window_head_kernel(h_ptr, fill_ptr, packed_ptr, read_ptr, id_ptr, m_ptr, s_
     live = ids >= 0
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < T
+    if fill:
+        wrow = fill_ptr + j.to(tl.int64) * D
+    else:
+        wrow = packed_ptr + tl.load(read_ptr + b) * stride_slot + j.to(tl.int64) * D
+    hrow = h_ptr + (b * T + rows).to(tl.int64) * D
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if tl.max(live.to(tl.int32), axis=0) > 0:
-        if fill:
-            wrow = fill_ptr + j.to(tl.int64) * D
-        else:
-            wrow = packed_ptr + tl.load(read_ptr + b) * stride_slot + j.to(tl.int64) * D
-        hrow = h_ptr + (b * T + rows).to(tl.int64) * D
-        for k0 in range(0, D, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(hrow[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
-            w = tl.load(wrow[:, None] + kk[None, :], mask=live[:, None] & (kk[None, :] < D), other=0.0)
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee" if IEEE else None)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(hrow[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
+        w = tl.load(wrow[:, None] + kk[None, :], mask=live[:, None] & (kk[None, :] < D), other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee" if IEEE else None)
     # the reference's logits are the GEMM's output in the activations' dtype
     logit = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     logit = tl.where(live[None, :] & (logit == logit), logit, float("-inf"))
@@ -361,10 +361,11 @@ def _window_head_merge_kernel(m_ptr, s_ptr, key_ptr, id_ptr, logp_ptr, out_ids_p
     tl.store(out_ids_ptr + r * k + i, tl.maximum(ids, 0), mask=i < k)  # an empty slot only wins at -inf
 
 
-WINDOW_HEAD_BLOCK_N = int(os.environ.get("MICROSPEC_HEAD_BLOCK_N", "64"))
+# (BLOCK_N, BLOCK_K, pipeline stages) of the scoring kernel
+WINDOW_HEAD_CONFIG = tuple(int(x) for x in os.environ.get("MICROSPEC_HEAD_CONFIG", "64,128,4").split(","))
 
 
-def window_head(hidden, fill_rows, packed, read, id_of, R, k, block_n=None):
+def window_head(hidden, fill_rows, packed, read, id_of, R, k, config=None):
     """layers.window_head in two launches: every (block of scored rows, request) program scores its block against
     the request's hidden rows and keeps each row's max, sum of exp and top-k keys; one program per hidden row
     merges them. hidden [B, T, d] (T <= 16), fill_rows [F, d] or None, packed [slots, >= R, d], read [B] (each
@@ -372,7 +373,7 @@ def window_head(hidden, fill_rows, packed, read, id_of, R, k, block_n=None):
     import torch
 
     B, T, D = hidden.shape
-    BN = block_n or WINDOW_HEAD_BLOCK_N
+    BN, BK, stages = config or WINDOW_HEAD_CONFIG
     F = 0 if fill_rows is None else fill_rows.shape[0]
     CF, CW = triton.cdiv(F, BN), triton.cdiv(R, BN)
     C, KP = CF + CW, max(triton.next_power_of_2(k), 2)
@@ -383,12 +384,12 @@ def window_head(hidden, fill_rows, packed, read, id_of, R, k, block_n=None):
     s = torch.empty_like(m)
     key = torch.empty(B * T * C * KP, dtype=torch.long, device=dev)
     _window_head_kernel[(C, B)](hidden, packed if fill_rows is None else fill_rows, packed, read, id_of, m, s, key,
-                                T, F, R, packed.stride(0), CF, C, D=D, BLOCK_M=16, BLOCK_N=BN, BLOCK_K=64, KP=KP,
-                                IEEE=hidden.dtype == torch.float32, num_warps=4)
+                                T, F, R, packed.stride(0), CF, C, D=D, BLOCK_M=16, BLOCK_N=BN, BLOCK_K=BK, KP=KP,
+                                IEEE=hidden.dtype == torch.float32, num_warps=4, num_stages=stages)
     logp = torch.empty(B, T, k, dtype=torch.float32, device=dev)
     ids = torch.empty(B, T, k, dtype=torch.long, device=dev)
     _window_head_merge_kernel[(B * T,)](m, s, key, id_of, logp, ids, T, C, F + R, k,
-                                        C_BLOCK=triton.next_power_of_2(C), KP=KP, num_warps=4)
+                                        C_BLOCK=triton.next_power_of_2(C), KP=KP, num_warps=8)
     return logp, ids
 
 

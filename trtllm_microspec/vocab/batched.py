@@ -224,21 +224,24 @@ class BatchWindow:
 
     def head_for(self, batch: torch.Tensor, top: int):
         """ops.packed_head per request: (hidden [B, T, d], k) -> (logp [B, T, k] fp32, ids [B, T, k]) over each
-        request's own scored rows, the shared fill's then its packed window's, read in place by
-        plugins.layers.window_head (on CUDA one GEMM launch for the batch with the log-softmax and top-k in its
-        epilogue, and a merge). top > every real slot of batch; a padding row (slot >= top) reads slot top-1's
-        rows, and its draws are dropped. The ids of each request's rows are gathered here once for the round's
-        depth + 1 calls. The naive ablation gathers its window's head rows at every call instead."""
+        request's own scored rows, the shared fill's then its packed window's (plugins.layers.window_head: on CUDA
+        one GEMM launch for the batch with the log-softmax and top-k in its epilogue, and a merge). top > every
+        real slot of batch; a padding row (slot >= top) reads slot top-1's rows, and its draws are dropped. The
+        ids of each request's rows are gathered here once for the round's depth + 1 calls. The naive ablation
+        gathers its window's head rows at every call instead."""
         R = self.R
+        # top 1: one row, the request in slot 0 (or padding, whose draws are dropped): it needs no scatter / gather
+        one = top == 1 and batch.numel() == 1
         read = batch.clamp(max=top - 1)
+        into = None if one else torch.where(batch < top, batch, top)
         id_of = self.id_of[:, :R].index_select(0, read)  # [B, R]
         if self.fill is not None:  # the shared fill rows' columns first, as alone
             id_of = torch.cat([self.fill_id_of.index_select(0, read), id_of], -1)
         id_of = id_of.contiguous()
 
         def head(hidden: torch.Tensor, k: int):
-            rows = self.packed if self.use_packed else self.head_w[self.rows(self.id_of[:top, :R].clamp(min=0))]
-            return layers.window_head(hidden, self.fill_rows, rows, read, id_of, R, k)
+            rows = self.packed[:top] if self.use_packed else self.head_w[self.rows(self.id_of[:top, :R].clamp(min=0))]
+            return layers.window_head(hidden, self.fill_rows, rows, read, into, id_of, R, k)
         return head
 
     def head(self, hidden: torch.Tensor, batch: torch.Tensor, top: int, k: int):
