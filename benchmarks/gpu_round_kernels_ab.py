@@ -19,7 +19,7 @@ import torch
 from plugins import layers, triton_layers
 
 
-CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 4), (128, 256, 3)]  # (BLOCK_N, BLOCK_K, stages)
+CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 4)]  # (BLOCK_N, BLOCK_K, stages)
 
 
 def window_case(B: int, T: int, F: int = 3072, R: int = 3072, d: int = 1536, window: int = 1000):
