@@ -92,44 +92,6 @@ def check_topk(dev, dtype, g, T: int, V: int, k: int) -> float:
     return 0.0 if torch.equal(v1, v2) and torch.equal(x.gather(1, i1), v1) and bool((i1 < V).all()) else 1.0
 
 
-def check_window_head(dev, dtype, g, B: int, T: int, F: int, R: int, d: int, k: int) -> float:
-    """window_head: B requests' draft head over the shared fill rows and each one's packed window (slots out of
-    order, the last request padding), most ids empty and whole blocks of them (rows the kernel never reads), a NaN
-    row in an empty slot. Each real request's pick's log-probability against the reference's at the
-    same id (ties may pick other ids of an equal value) and the sorted values against the reference's: the
-    largest error, relative to the largest |logp|."""
-    S = B + 2
-    hidden = torch.randn(B, T, d, generator=g).to(dev, dtype)
-    fill = torch.randn(F, d, generator=g).to(dev, dtype) if F else None
-    packed = torch.randn(S, R + 1, d, generator=g).to(dev, dtype)
-    batch = torch.randperm(S, generator=g)[:B]
-    batch[-1] = S + 1  # a padding request (a slot past top = S): it reads slot S - 1's rows, its draws dropped
-    read, into = batch.clamp(max=S - 1), torch.where(batch < S, batch, S)
-    live = torch.rand(S, F + R, generator=g) < 0.3
-    live[:, F + R // 2: F + R // 2 + 2 * 64] = False  # two empty blocks of the window's rows
-    if F:
-        live[:, : min(F, 64)] = False  # and one of the fill's
-    live[:, F + 1] = False
-    packed[:, 1] = float("nan")  # an empty slot's row: garbage the kernel must not let through
-    ids = torch.randperm(50000, generator=g)[:S * (F + R)].view(S, F + R)
-    id_of = torch.where(live, ids, -1)
-    id_of, read, into = id_of[read].to(dev), read.to(dev), into.to(dev)
-    (lp1, id1), (lp2, id2) = both(lambda: layers.window_head(hidden, fill, packed[:S], read, into, id_of, R, k))
-    lp1, id1, lp2, id2 = lp1[:-1].cpu(), id1[:-1].cpu(), lp2[:-1].cpu(), id2[:-1].cpu()  # (the padding's dropped)
-    B -= 1
-    scale = lp2.abs().max().item()
-    err = (lp1 - lp2).abs().max().item() / scale
-    for b in range(B):
-        for t in range(T):
-            at = {int(i): float(v) for i, v in zip(id2[b, t], lp2[b, t])}
-            for i, v in zip(id1[b, t].tolist(), lp1[b, t].tolist()):
-                if i not in at and v > float(lp2[b, t, -1]) + TOL[dtype] * scale:
-                    return 1.0  # a pick the reference ranks below its own k-th
-                if i in at:
-                    err = max(err, abs(at[i] - v) / scale)
-    return err
-
-
 def check_move(dev, dtype, g, L: int, KV: int, D: int, P: int) -> float:
     """move_slots: three requests' accepted paths moved to their committed slots in every layer and head. Each row's
     sources are a path of tree nodes (increasing, the leaf repeated) and its destinations the next P slots, so a
@@ -778,13 +740,6 @@ def cases(dev: str, big: bool, g):
         for B, k, depth, d in [(3, 10, 5, 1536 if big else 96), (2, 3, 3, 40)]:
             yield (f"tree_grow B={B} k={k} depth={depth} d={d} {str(dtype).removeprefix('torch.')}", 0.0,
                    lambda B=B, k=k, depth=depth, d=d, dtype=dtype: check_tree_grow(dev, dtype, g, B, k, depth, d))
-    # (B, T, F, R, d, k): a round's head calls at qwen2.5-coder-1.5b's W_max (fill and window) and small ones
-    wh = [(2, 1, 3072, 3072, 1536, 10), (3, 10, 3072, 3072, 1536, 10), (2, 10, 0, 3072, 1536, 10),
-          (4, 3, 100, 300, 96, 3)] if big else [(2, 10, 200, 300, 32, 10), (2, 1, 0, 130, 32, 3)]
-    for dtype in dtypes:
-        for B, T, F, R, d, k in wh:  # (B: the last request is padding)
-            yield (f"window_head B={B} T={T} F={F} R={R} d={d} k={k} {str(dtype).removeprefix('torch.')}", TOL[dtype],
-                   lambda B=B, T=T, F=F, R=R, d=d, k=k, dtype=dtype: check_window_head(dev, dtype, g, B, T, F, R, d, k))
     # (rows, vocabulary, k): the LM head's top-K_pre / K_ver / k_tree rows; a vocabulary that 128 does not divide
     tk = [(60, 151936, 10), (512, 151936, 3), (1, 151936, 3), (7, 100003, 3)] if big else \
          [(9, 12345, 3), (2, 20480, 10), (1, 3100, 3)]

@@ -423,37 +423,6 @@ def tree_select(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, best
     return tokens, par, anc.sum(2) - 1, anc
 
 
-WINDOW_HEAD_ROWS = 16  # hidden rows per request (a draft step's k, or 1) up to which window_head runs its kernel
-HEAD_KERNEL = os.environ.get("MICROSPEC_HEAD_KERNEL", "1") != "0"  # 0: window_head keeps the reference on CUDA
-
-
-def window_head(hidden: torch.Tensor, fill_rows: torch.Tensor | None, packed: torch.Tensor, read: torch.Tensor,
-                into: torch.Tensor | None, id_of: torch.Tensor, R: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MicroSpec draft head of B requests (vocab/batched.py): hidden [B, T, d] against each request's scored
-    rows -- the shared fill rows [F, d] (None: none), then its packed window rows packed[read[b], :R] -- masked to
-    its ids id_of [B, F + R] (-1: not scored), log-softmax, top-k -> (logp [B, T, k] fp32, ids [B, T, k]). The
-    logits round to the activations' dtype, as the GEMM's output does. into [B]: each request's row of the
-    reference's batched GEMM over slots 0 .. top-1 of packed (top = packed.shape[0]; a padding request's: top, a
-    spare row nothing reads), or None for one request in slot 0. A padding request's draws are garbage either way.
-    On CUDA two launches (the GEMM with the log-softmax's partials and each block's top-k in its epilogue; then the
-    merge) where the reference is a scatter of the hidden rows, a bmm over the slots' rows in place, a gather, the
-    fill's GEMM and a concatenation, then the fused top-k."""
-    B, T, d = hidden.shape
-    if HEAD_KERNEL and fast(hidden, packed, fill_rows) and T <= WINDOW_HEAD_ROWS and k <= WINDOW_HEAD_ROWS:
-        from .triton_layers import window_head as kernel
-        return kernel(hidden, fill_rows, packed, read, id_of, R, k)
-    from . import ops
-    top = packed.shape[0]
-    # rows of free slots stay unwritten: a bmm row depends on its own input row only, and no real request reads them
-    h = hidden if into is None else hidden.new_empty(top + 1, T, d).index_copy_(0, into, hidden)[:top]
-    logits = torch.bmm(h, packed[:, :R].transpose(1, 2))
-    if into is not None:
-        logits = logits.index_select(0, read)
-    if fill_rows is not None:
-        logits = torch.cat([F.linear(hidden, fill_rows), logits], -1)
-    return ops.masked_topk(logits, id_of, k)  # an empty slot only wins at -inf: any id is safe
-
-
 def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, act: str | None) -> dict:
     """What `linear` runs for this call's shape: measured on the first eager call of each (shape, rows bucket)
     and kept, in this process and in the choices file (choices_path). {"config": None (cuBLAS) or a

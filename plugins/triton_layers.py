@@ -213,19 +213,6 @@ def _desc_key(x, slot):
 
 
 @triton.jit
-def _key_value(key):
-    """_desc_key's float."""
-    hi = (key >> 32).to(tl.int32)
-    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_slot(key):
-    """_desc_key's slot."""
-    return 4294967295 - (key & 4294967295)
-
-
-@triton.jit
 def _pool_parent(x, best_row, P, K: tl.constexpr):
     """Pool indices -> their parents' (tree_select's layout); the first level's and the sink P's: P."""
     lvl = (x - K + K * K) // (K * K)  # 0: the first level; L >= 1: expansion L - 1's children (x >= K)
@@ -246,7 +233,7 @@ def _tree_select_kernel(root_ptr, tok_ptr, score_ptr, best_ptr, pen_ptr, tree_of
     # the best N-1 nodes: higher key first, equal keys by lower pool index (a parent's key is >= its child's and
     # its index lower, so a parent always ranks first). One int64 key per node orders both (_desc_key); the
     # (N-1)-th largest, from a bitonic top-k in registers, is the threshold (an all-pairs rank over the pool took
-    # ~80 us a round on the H200: a serial tail in one program per request)
+    # 80-87 us a round on the H200 and the H100, this 46: a serial tail in one program per request)
     ikey = tl.where(ok, _desc_key(key, j), _PAD_KEY)
     top = tl.topk(ikey, N_TOP)
     thr = tl.min(tl.where(tl.arange(0, N_TOP) < N - 1, top, 9223372036854775807), axis=0)
@@ -295,102 +282,6 @@ def tree_select(root, tok, score, best, penalty, k, N):
                               N_BLOCK=triton.next_power_of_2(N),
                               num_warps=8)
     return tokens, parent, depth, anc
-
-
-@triton.jit
-def _window_head_kernel(h_ptr, fill_ptr, packed_ptr, read_ptr, id_ptr, m_ptr, s_ptr, key_ptr, T, F, R,
-                        stride_slot, CF, C, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, KP: tl.constexpr, IEEE: tl.constexpr):
-    """One block of BLOCK_N scored rows of request b (the fill's rows for c < CF, else its packed window's) against
-    its T hidden rows: the masked logits' max, sum of exp and top-KP keys per hidden row, into the partials. A row
-    with no live id is never read (its loads are masked: its logit is -inf whatever it is); the K loop is left
-    unconditional so that Triton pipelines its loads."""
-    c = tl.program_id(0)
-    b = tl.program_id(1)
-    fill = c < CF
-    j = tl.where(fill, c, c - CF) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows within the block's part
-    col_ok = j < tl.where(fill, F, R)
-    g = tl.where(fill, j, F + j)  # and among the request's F + R scored rows
-    ids = tl.load(id_ptr + b * (F + R) + g, mask=col_ok, other=-1)
-    live = ids >= 0
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < T
-    if fill:
-        wrow = fill_ptr + j.to(tl.int64) * D
-    else:
-        wrow = packed_ptr + tl.load(read_ptr + b) * stride_slot + j.to(tl.int64) * D
-    hrow = h_ptr + (b * T + rows).to(tl.int64) * D
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(hrow[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
-        w = tl.load(wrow[:, None] + kk[None, :], mask=live[:, None] & (kk[None, :] < D), other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee" if IEEE else None)
-    # the reference's logits are the GEMM's output in the activations' dtype
-    logit = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
-    logit = tl.where(live[None, :] & (logit == logit), logit, float("-inf"))
-    m = tl.max(logit, axis=1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.exp(logit - m_safe[:, None]), axis=1)
-    part = (b * T + rows) * C + c
-    tl.store(m_ptr + part, m, mask=row_ok)
-    tl.store(s_ptr + part, s, mask=row_ok)
-    key = tl.where(col_ok[None, :], _desc_key(logit, g[None, :]), _PAD_KEY)
-    top = tl.topk(key, KP, dim=1)
-    tl.store(key_ptr + part[:, None] * KP + tl.arange(0, KP)[None, :], top, mask=row_ok[:, None])
-
-
-@triton.jit
-def _window_head_merge_kernel(m_ptr, s_ptr, key_ptr, id_ptr, logp_ptr, out_ids_ptr, T, C, n_ids, k,
-                              C_BLOCK: tl.constexpr, KP: tl.constexpr):
-    """One hidden row: the blocks' partials -> its log-sum-exp and top-k (log-probability, token id)."""
-    r = tl.program_id(0)
-    b = r // T
-    cs = tl.arange(0, C_BLOCK)
-    m = tl.load(m_ptr + r * C + cs, mask=cs < C, other=float("-inf"))
-    s = tl.load(s_ptr + r * C + cs, mask=cs < C, other=0.0)
-    mx = tl.max(m, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), axis=0))
-    e = tl.arange(0, C_BLOCK * KP)
-    top = tl.topk(tl.load(key_ptr + r * C * KP + e, mask=e < C * KP, other=_PAD_KEY), KP)
-    i = tl.arange(0, KP)
-    real = top != _PAD_KEY  # (only where the block rows number fewer than k)
-    ids = tl.load(id_ptr + b * n_ids + _key_slot(top), mask=real & (i < k), other=0)
-    tl.store(logp_ptr + r * k + i, tl.where(real, _key_value(top) - lse, float("-inf")), mask=i < k)
-    tl.store(out_ids_ptr + r * k + i, tl.maximum(ids, 0), mask=i < k)  # an empty slot only wins at -inf
-
-
-# (BLOCK_N, BLOCK_K, pipeline stages) of the scoring kernel
-WINDOW_HEAD_CONFIG = tuple(int(x) for x in os.environ.get("MICROSPEC_HEAD_CONFIG", "64,128,4").split(","))
-
-
-def window_head(hidden, fill_rows, packed, read, id_of, R, k, config=None):
-    """layers.window_head in two launches: every (block of scored rows, request) program scores its block against
-    the request's hidden rows and keeps each row's max, sum of exp and top-k keys; one program per hidden row
-    merges them. hidden [B, T, d] (T <= 16), fill_rows [F, d] or None, packed [slots, >= R, d], read [B] (each
-    request's slot), id_of [B, F + R] -> (logp [B, T, k] fp32, ids [B, T, k])."""
-    import torch
-
-    B, T, D = hidden.shape
-    BN, BK, stages = config or WINDOW_HEAD_CONFIG
-    F = 0 if fill_rows is None else fill_rows.shape[0]
-    CF, CW = triton.cdiv(F, BN), triton.cdiv(R, BN)
-    C, KP = CF + CW, max(triton.next_power_of_2(k), 2)
-    assert T <= 16 and KP <= BN and packed.stride(1) == D and packed.stride(2) == 1
-    dev = hidden.device
-    hidden, id_of, read = hidden.contiguous(), id_of.contiguous(), read.contiguous()
-    m = torch.empty(B * T * C, dtype=torch.float32, device=dev)
-    s = torch.empty_like(m)
-    key = torch.empty(B * T * C * KP, dtype=torch.long, device=dev)
-    _window_head_kernel[(C, B)](hidden, packed if fill_rows is None else fill_rows, packed, read, id_of, m, s, key,
-                                T, F, R, packed.stride(0), CF, C, D=D, BLOCK_M=16, BLOCK_N=BN, BLOCK_K=BK, KP=KP,
-                                IEEE=hidden.dtype == torch.float32, num_warps=4, num_stages=stages)
-    logp = torch.empty(B, T, k, dtype=torch.float32, device=dev)
-    ids = torch.empty(B, T, k, dtype=torch.long, device=dev)
-    _window_head_merge_kernel[(B * T,)](m, s, key, id_of, logp, ids, T, C, F + R, k,
-                                        C_BLOCK=triton.next_power_of_2(C), KP=KP, num_warps=8)
-    return logp, ids
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins import layers, ops
+from plugins import ops
 
 from .strategies import Fill, Window, window_length
 
@@ -224,24 +224,37 @@ class BatchWindow:
 
     def head_for(self, batch: torch.Tensor, top: int):
         """ops.packed_head per request: (hidden [B, T, d], k) -> (logp [B, T, k] fp32, ids [B, T, k]) over each
-        request's own scored rows, the shared fill's then its packed window's (plugins.layers.window_head: on CUDA
-        one GEMM launch for the batch with the log-softmax and top-k in its epilogue, and a merge). top > every
-        real slot of batch; a padding row (slot >= top) reads slot top-1's rows, and its draws are dropped. The
-        ids of each request's rows are gathered here once for the round's depth + 1 calls. The naive ablation
-        gathers its window's head rows at every call instead."""
+        request's own packed rows. One bmm over slots 0 .. top-1 (top > every real slot of batch) reads the packed
+        rows in place instead of copying B x R x d; a free slot below top costs one wasted GEMM of the batch.
+        A padding row (slot >= top) goes to a spare row `top` of the bmm's input that nothing reads, and reads
+        slot top-1's scores. The ids of each request's rows are gathered here once for the round's depth + 1 calls:
+        each call is its GEMMs and one ops.masked_topk (on CUDA packed_head's fused log-softmax + top-k kernel)."""
         R = self.R
         # top 1: one row, the request in slot 0 (or padding, whose draws are dropped): it needs no scatter / gather
         one = top == 1 and batch.numel() == 1
-        read = batch.clamp(max=top - 1)
+        read = None if one else batch.clamp(max=top - 1)
         into = None if one else torch.where(batch < top, batch, top)
-        id_of = self.id_of[:, :R].index_select(0, read)  # [B, R]
-        if self.fill is not None:  # the shared fill rows' columns first, as alone
-            id_of = torch.cat([self.fill_id_of.index_select(0, read), id_of], -1)
+        if self.use_packed:
+            rows = self.packed[:top, :R].transpose(1, 2)
+        else:  # naive: an indexed GEMM over the window's scattered head rows, gathered at every call
+            rows = None
+        id_of = self.id_of[:1, :R] if one else self.id_of[:, :R].index_select(0, read)  # [B, R]
+        if self.fill is not None:  # the shared fill rows in one GEMM over every row, their columns first as alone
+            id_of = torch.cat([self.fill_id_of[:1] if one else self.fill_id_of.index_select(0, read), id_of], -1)
         id_of = id_of.contiguous()
 
         def head(hidden: torch.Tensor, k: int):
-            rows = self.packed[:top] if self.use_packed else self.head_w[self.rows(self.id_of[:top, :R].clamp(min=0))]
-            return layers.window_head(hidden, self.fill_rows, rows, read, into, id_of, R, k)
+            B, T, d = hidden.shape
+            # rows of free slots stay unwritten: a bmm row depends on its own input row only, and no real
+            # request reads those (a padding row may, and its draws are dropped)
+            h = hidden if one else hidden.new_empty(top + 1, T, d).index_copy_(0, into, hidden)[:top]
+            w = rows if rows is not None else self.head_w[self.rows(self.id_of[:top, :R].clamp(min=0))].transpose(1, 2)
+            logits = torch.bmm(h, w)
+            if not one:
+                logits = logits.index_select(0, read)
+            if self.fill is not None:
+                logits = torch.cat([torch.nn.functional.linear(hidden, self.fill_rows), logits], -1)
+            return ops.masked_topk(logits, id_of, k)  # an empty slot only wins at -inf: any id is safe
         return head
 
     def head(self, hidden: torch.Tensor, batch: torch.Tensor, top: int, k: int):
