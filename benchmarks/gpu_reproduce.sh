@@ -11,6 +11,8 @@
 #              work does not depend on what it accepts; microspec with --trace: its kernels, and a round's pieces
 #              each against its byte floor), then microspec under --spec-policy auto, whose start-up
 #              prints the calibrated plain-row / 4 / 16 / 60-token step costs at 1 row (~2 min on an H200)
+#   round-kernels  the round's tree selection against its torch reference, checked then timed at batch 1 / 16 / 64
+#              (benchmarks/gpu_round_kernels_ab.py; seconds, no engine needed)
 #   kernels-ab the skinny GEMM's configs (plain, and with the add + RMSNorm in its prologue) against the torch
 #              reference at qwen2.5-coder-1.5b's shapes, then each projection (q|k|v, O, gate|up, down, EAGLE fc,
 #              LM head) at rows AB_ROWS on random weights: cuBLAS vs the fastest skinny config vs the default path,
@@ -115,6 +117,9 @@ for stage in "$@"; do
       ms profile --engine "$KEY" --timeline --method microspec --spec-policy auto --batch 1 \
         --context "$ROUND_CONTEXT" --new-tokens 128 --out "$OUT/rounds_microspec_auto_$KEY.md" 2>&1 \
         | grep -E "^timeline:|rror" ;;
+    round-kernels)
+      python3 -m plugins.check_layers --only tree_select | tail -1
+      python3 benchmarks/gpu_round_kernels_ab.py | tee "$OUT/round_kernels_ab.md" ;;
     kernels-ab)
       { python3 -m plugins.check_layers --only "skinny linear" norm_linear || echo "check_layers FAILED (the A/B" \
           "still runs: a config that disagrees with the unfused path at first use is never picked)"; } \
