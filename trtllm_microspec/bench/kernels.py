@@ -20,12 +20,13 @@ flushed before each replay (in a real round the target model evicts everything i
                                        stream, and naive (the paper's "x Async": update + an indexed GEMM over
                                        head[id_of] each call, no packing)
 Bandwidth = the bytes a kernel must move (weights read; a gather reads and writes each row) / its time, against
-the 4.2 TB/s that a large device-to-device copy reaches on the H200 (bytes read + written). "launch" is the replay
+the rate a large device-to-device copy reaches on this GPU, measured (bytes read + written: 4.2 TB/s on the H200,
+~3.0 on the H100). "launch" is the replay
 of one empty kernel.
 
 --layers instead: the decoder layer's kernels at the --shapes model shapes (default qwen2.5-1.5b) on random
 weights, at each of --rows rows: every projection (q|k|v, O, gate|up, down with SiLU x up, EAGLE's fc, the LM head)
-on cuBLAS, on each skinny-GEMM config and on the default path, with GB/s and % of the 4.8 TB/s HBM peak; the
+on cuBLAS, on each skinny-GEMM config and on the default path, with GB/s and % of the GPU's HBM peak; the
 residual add + RMSNorm folded into q|k|v and gate|up vs unfused; one decoder layer with the fold off vs the
 default, with its kernel count.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import json
 import math
 import statistics
@@ -45,8 +47,36 @@ from ..models.model import KVCache, ModelConfig, Span
 from ..models.registry import UserError
 from ..speculative.tree import causal
 
-COPY_BW = 4.2e12  # bytes/s, read + written, a large device-to-device copy on the H200
-PEAK_BW = 4.8e12  # bytes/s, the H200's HBM3e peak (its data sheet): the projection A/B's "% peak"
+HBM_PEAK = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # bytes/s, the data sheets' HBM peak, by device name
+H200_COPY_BW = 4.2e12  # bytes/s, read + written, a large device-to-device copy on the H200
+
+
+@functools.cache
+def copy_bw() -> float:
+    """Bytes/s, read + written, of a large device-to-device copy on this GPU (best of 5 copies of 1 GiB, measured
+    once): the rate of the reports' byte floors (4.2e12 on the H200, ~3.0e12 on the H100 80GB HBM3). Off a GPU
+    (the CPU tests of the reports) the H200's."""
+    if not torch.cuda.is_available():
+        return H200_COPY_BW
+    x = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = math.inf
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return 2 * x.numel() / best
+
+
+def peak_bw() -> float:
+    """Bytes/s, this GPU's HBM peak from its data sheet (HBM_PEAK), else its measured copy rate / 0.88 (the H200's
+    ratio): the projection A/B's "% peak"."""
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in HBM_PEAK.items() if key in name), copy_bw() / 0.88)
 DEVICE = "cuda"
 CONTEXT = 1024  # committed positions the draft layer attends to
 STATIC_K = 32768
@@ -162,8 +192,8 @@ def bench_shape(name: str, shape: dict, a, timer: Timer) -> list[dict]:
 
     def add(kernel: str, T, us: float, nbytes: float | None) -> None:
         out.append(dict(shape=name, rows=T, kernel=kernel, us=us, mb=nbytes and nbytes / 1e6,
-                        tb_s=nbytes and nbytes / us / 1e6, pct_copy=nbytes and 100 * nbytes / us / 1e6 / (COPY_BW / 1e12),
-                        floor_us=nbytes and nbytes / COPY_BW * 1e6))
+                        tb_s=nbytes and nbytes / us / 1e6, pct_copy=nbytes and 100 * nbytes / us / 1e6 / (copy_bw() / 1e12),
+                        floor_us=nbytes and nbytes / copy_bw() * 1e6))
 
     # per step, whatever the number of hidden rows: the gathers and the window update
     scratch = torch.empty(R + 1, d, dtype=bf16, device=dev)
@@ -292,7 +322,7 @@ def projection_ab(projections: list[tuple], rows: list[int], timer: "Timer", tag
     """Each projection (name, weight, bias, act) at each row count: cuBLAS (F.linear, after act_mul for the down
     projection), every skinny-GEMM config (the best one kept), and the default path (layers.linear: what the
     model runs, the skinny GEMM where it measured >= 3% faster at first use, else cuBLAS); microseconds, GB/s of
-    the bytes the projection must move (weight, bias, input, output), % of PEAK_BW. A line per shape as it goes."""
+    the bytes the projection must move (weight, bias, input, output), % of peak_bw(). A line per shape as it goes."""
     from plugins import layers
     from plugins import triton_layers as tk
 
@@ -314,11 +344,11 @@ def projection_ab(projections: list[tuple], rows: list[int], timer: "Timer", tag
                     if best is None or us < best:
                         best, best_cfg = us, cfg
                 r = dict(rows=M, projection=name, n=N, k=K, mb=nbytes / 1e6, cublas_us=cublas,
-                         cublas_gb_s=nbytes / cublas / 1e3, cublas_pct=100 * nbytes / cublas / 1e6 / (PEAK_BW / 1e12),
+                         cublas_gb_s=nbytes / cublas / 1e3, cublas_pct=100 * nbytes / cublas / 1e6 / (peak_bw() / 1e12),
                          skinny_us=best, skinny_config=best_cfg and list(best_cfg),
                          skinny_gb_s=best and nbytes / best / 1e3,
-                         skinny_pct=best and 100 * nbytes / best / 1e6 / (PEAK_BW / 1e12),
-                         default_us=default, default_pct=100 * nbytes / default / 1e6 / (PEAK_BW / 1e12),
+                         skinny_pct=best and 100 * nbytes / best / 1e6 / (peak_bw() / 1e12),
+                         default_us=default, default_pct=100 * nbytes / default / 1e6 / (peak_bw() / 1e12),
                          default_runs=f"skinny {tuple(pick)}" if pick else "cuBLAS")
                 out.append(r)
                 sk = "-" if best is None else (f"{best:7.1f} us {r['skinny_gb_s']:5.0f} GB/s {r['skinny_pct']:3.0f}% "
@@ -369,8 +399,8 @@ def fused_ab(cfg: dict, rows: list[int], timer: "Timer", tag: str = "") -> list[
     def row(M, piece, unfused, fused, cfg_best, default, runs, nbytes, kernels=None):
         r = dict(rows=M, piece=piece, unfused_us=unfused, fused_us=fused, fused_config=cfg_best and list(cfg_best),
                  default_us=default, default_runs=runs, mb=nbytes / 1e6,
-                 fused_pct=fused and 100 * nbytes / fused / 1e6 / (PEAK_BW / 1e12),
-                 unfused_pct=100 * nbytes / unfused / 1e6 / (PEAK_BW / 1e12), kernels=kernels)
+                 fused_pct=fused and 100 * nbytes / fused / 1e6 / (peak_bw() / 1e12),
+                 unfused_pct=100 * nbytes / unfused / 1e6 / (peak_bw() / 1e12), kernels=kernels)
         out.append(r)
         print(f"{tag}rows {M:3d} {piece:41s} unfused {unfused:7.1f} us | fused {_us(fused)} "
               f"{cfg_best and tuple(cfg_best)} | default {default:7.1f} us ({runs})"
@@ -485,12 +515,12 @@ def layers_ab(a, timer: Timer) -> None:
         torch.cuda.empty_cache()
         fused += [dict(shape=name, **r) for r in fused_ab(SHAPES[name], a.rows, timer, tag=f"{name} ")]
         torch.cuda.empty_cache()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=a.iters, peak_bw=PEAK_BW)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=a.iters, peak_bw=peak_bw())
     lines = [f"# bench-kernels --layers on {meta['device']}", "",
              f"torch {meta['torch']}; medians of {a.iters} CUDA-graph replays, L2 flushed before each; random bf16 "
              f"weights of each model's shapes; GB/s of the bytes a projection must move (weight, bias, input, "
-             f"output), % of the {PEAK_BW / 1e12:.1f} TB/s HBM peak (a large copy reaches "
-             f"{COPY_BW / 1e12:.1f} TB/s: {100 * COPY_BW / PEAK_BW:.0f}%). skinny: the fastest config; default: "
+             f"output), % of the {peak_bw() / 1e12:.2f} TB/s HBM peak (a large copy reaches "
+             f"{copy_bw() / 1e12:.2f} TB/s here: {100 * copy_bw() / peak_bw():.0f}%). skinny: the fastest config; default: "
              f"what layers.linear runs (the skinny GEMM where it measured >= 3% faster than cuBLAS at first use).",
              ""]
     for name in a.shapes:
@@ -614,7 +644,7 @@ def markdown(rows: list[dict], tgts: list[dict], meta: dict) -> str:
              f"torch {meta['torch']}, ops backend **{meta['backend']}**, W_max {meta['w_max']}, "
              f"{meta['step_ids']} ids per step, top-{meta['top_k']}; medians of {meta['iters']} CUDA-graph replays, "
              f"L2 flushed before each; one empty-kernel replay (launch) = {meta['launch_us']:.1f} us; "
-             f"bandwidth against the {COPY_BW / 1e12:.1f} TB/s copy bandwidth.", "",
+             f"bandwidth against the {meta['copy_bw'] / 1e12:.2f} TB/s copy bandwidth measured here.", "",
              "| shape | rows | kernel | us | byte floor us | MB moved | TB/s | % copy BW |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -671,7 +701,7 @@ def run(a) -> None:
     tgts = targets(rows, launch)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, backend=plugins.BACKEND,
                 w_max=a.w_max, step_ids=a.step_ids, top_k=a.top_k, iters=a.iters, launch_us=launch,
-                copy_bw=COPY_BW)
+                copy_bw=copy_bw())
     write_report(a.out, markdown(rows, tgts, meta), dict(meta=meta, rows=rows, targets=tgts))
     faulthandler.cancel_dump_traceback_later()
 

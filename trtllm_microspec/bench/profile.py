@@ -7,10 +7,9 @@ a prefill of --prefill tokens, and the batched engine's AR step for each --batch
 KV). Each on the default path ("fast": the Triton layer kernels, and for each projection the skinny GEMM or
 cuBLAS, whichever layers.linear measured faster) and on the torch reference (the plain path) in the same run.
 Then one decoder layer at T = 1, piece by piece: time, the bytes it must move (weights, the KV it reads), the
-bandwidth against the 4.2 TB/s copy bandwidth, and the kernels it launches. Then each projection (q|k|v, O, gate|up,
+bandwidth against this GPU's measured copy bandwidth, and the kernels it launches. Then each projection (q|k|v, O, gate|up,
 down with the gated activation, LM head) at each of --rows rows: cuBLAS (F.linear, after act_mul for the down
-projection), the fastest skinny-GEMM config, and the default path, each with its GB/s and % of the 4.8 TB/s HBM
-peak.
+projection), the fastest skinny-GEMM config, and the default path, each with its GB/s and % of the GPU's HBM peak.
 --context committed tokens precede each step.
 
 --timeline instead: the batched engine's step timeline under load (a speculative method with a random EAGLE-3 head
@@ -42,7 +41,7 @@ from ..models.registry import UserError
 from ..vocab.strategies import METHODS
 from ..speculative.batch_tree import draft_trees, verify
 from ..speculative.tree import Tree, TreeConfig, causal
-from .kernels import (COPY_BW, PEAK_BW, Timer, count_kernels, projection_ab, projection_lines, weight_bytes,
+from .kernels import (Timer, copy_bw, peak_bw, count_kernels, projection_ab, projection_lines, weight_bytes,
                       write_report)
 
 
@@ -433,11 +432,11 @@ def round_phases(sched, target, a, g) -> list[str]:
 
     # the weight bytes a piece must read at least: the verify the target's (read_bytes), a draft layer call its
     # decoder layer's (EAGLE-3's fc too on feature calls: not counted)
-    floor_us = {"verify": read_bytes(target) / COPY_BW * 1e6,
-                "draft layer": weight_bytes(runner.draft.layers) / COPY_BW * 1e6}
+    bw = copy_bw()
+    floor_us = {"verify": read_bytes(target) / bw * 1e6, "draft layer": weight_bytes(runner.draft.layers) / bw * 1e6}
     out = [f"## --trace: one round's pieces, batch {B}, eager (kernel GPU time inside each range, per round; "
            f"{len(rounds)} rounds); the profiler's own device total of the ranges beside; byte floor: the bf16 weights "
-           f"the piece reads at {COPY_BW / 1e12:.1f} TB/s (the H200's copy rate), per round", "",
+           f"the piece reads at {bw / 1e12:.2f} TB/s (this GPU's copy rate, measured), per round", "",
            "| piece | calls / round | GPU us / round | kernels / round | device total us / round | byte floor us | "
            "x floor |", "|---|---:|---:|---:|---:|---:|---:|"]
 
@@ -550,7 +549,7 @@ def layer_table(target, n, S, timer) -> list[dict]:
         for name, fn, nbytes in pieces:
             us = timer(fn)
             out.append(dict(piece=name, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3, kernels=count_kernels(fn),
-                            pct_copy=100 * nbytes / us / 1e6 / (COPY_BW / 1e12)))
+                            pct_copy=100 * nbytes / us / 1e6 / (copy_bw() / 1e12)))
     return out
 
 
@@ -570,11 +569,11 @@ def cell(name: str) -> str:
 
 
 def markdown(rows, layer_rows, proj_rows, meta) -> str:
-    floor_ms = meta["weights_gb"] * 1e9 / COPY_BW * 1e3
+    floor_ms = meta["weights_gb"] * 1e9 / copy_bw() * 1e3
     lines = [f"# profile of {meta['engine']} on {meta['device']}", "",
              f"torch {meta['torch']}; {meta['context']} committed tokens; medians of {meta['iters']} CUDA-graph "
              f"replays (L2 flushed before each); kernels counted on one eager run. Weights {meta['weights_gb']:.2f} GB:"
-             f" byte floor of a step {floor_ms:.3f} ms at {COPY_BW / 1e12:.1f} TB/s.", "",
+             f" byte floor of a step {floor_ms:.3f} ms at {copy_bw() / 1e12:.2f} TB/s (this GPU's copy rate).", "",
              "| phase | path | ms | kernels | x floor |", "|---|---|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['phase']} | {r['path']} | {r['ms']:.3f} | {r['kernels']} | {r['ms'] / floor_ms:.2f} |")
@@ -585,7 +584,7 @@ def markdown(rows, layer_rows, proj_rows, meta) -> str:
                      f"{r.get('kernels', '-')} |")
     lines += ["", "Projections (layer 0) and the LM head: cuBLAS vs the fastest skinny-GEMM config vs the default "
               "path (what the model runs: the skinny GEMM where it measured >= 3% faster at first use, else cuBLAS); "
-              f"% of the {PEAK_BW / 1e12:.1f} TB/s HBM peak:", ""] + projection_lines(proj_rows)
+              f"% of the {peak_bw() / 1e12:.2f} TB/s HBM peak:", ""] + projection_lines(proj_rows)
     return "\n".join(lines) + "\n"
 
 
