@@ -47,6 +47,20 @@ from ..models.model import KVCache, ModelConfig, Span
 from ..models.registry import UserError
 from ..speculative.tree import causal
 
+DEVICE = "cuda"
+CONTEXT = 1024  # committed positions the draft layer attends to
+STATIC_K = 32768
+PINNED = [0, 1]  # stand-ins for the EOS ids every window pins
+SHAPES = {  # the target model's LM head and the EAGLE layer of its shape
+    "llama3-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32,
+                      num_kv_heads=8, head_dim=128),
+    "llama3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_heads=32,
+                        num_kv_heads=8, head_dim=64),
+    "qwen2-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_heads=28,
+                     num_kv_heads=4, head_dim=128, attention_bias=True),
+    "qwen2.5-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_heads=12,
+                         num_kv_heads=2, head_dim=128, attention_bias=True),
+}
 HBM_PEAK = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # bytes/s, the data sheets' HBM peak, by device name
 H200_COPY_BW = 4.2e12  # bytes/s, read + written, a large device-to-device copy on the H200
 
@@ -77,20 +91,7 @@ def peak_bw() -> float:
     ratio): the projection A/B's "% peak"."""
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in HBM_PEAK.items() if key in name), copy_bw() / 0.88)
-DEVICE = "cuda"
-CONTEXT = 1024  # committed positions the draft layer attends to
-STATIC_K = 32768
-PINNED = [0, 1]  # stand-ins for the EOS ids every window pins
-SHAPES = {  # the target model's LM head and the EAGLE layer of its shape
-    "llama3-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32,
-                      num_kv_heads=8, head_dim=128),
-    "llama3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_heads=32,
-                        num_kv_heads=8, head_dim=64),
-    "qwen2-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_heads=28,
-                     num_kv_heads=4, head_dim=128, attention_bias=True),
-    "qwen2.5-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_heads=12,
-                         num_kv_heads=2, head_dim=128, attention_bias=True),
-}
+
 
 
 class HeadEmbedding:
