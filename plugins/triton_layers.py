@@ -200,6 +200,7 @@ def tree_grow(cur_score, logp, ids, h, anc, step_eye):
 
 
 _PAD_KEY = tl.constexpr(-9223372036854775807)  # below every _desc_key (whose least is -inf's at the largest slot)
+_MAX_KEY = tl.constexpr(9223372036854775807)  # above every _desc_key
 
 
 @triton.jit
@@ -236,7 +237,7 @@ def _tree_select_kernel(root_ptr, tok_ptr, score_ptr, best_ptr, pen_ptr, tree_of
     # 80-87 us a round on the H200 and the H100, this 46: a serial tail in one program per request)
     ikey = tl.where(ok, _desc_key(key, j), _PAD_KEY)
     top = tl.topk(ikey, N_TOP)
-    thr = tl.min(tl.where(tl.arange(0, N_TOP) < N - 1, top, 9223372036854775807), axis=0)
+    thr = tl.min(tl.where(tl.arange(0, N_TOP) < N - 1, top, _MAX_KEY), axis=0)
     chosen = ok & (ikey >= thr)
     t = tl.cumsum(chosen.to(tl.int32), axis=0)  # a chosen node's tree index: 1 + the chosen before it in the pool
     # pool index -> tree index (0: not chosen, and the sink) and tree index -> pool index, through memory: the

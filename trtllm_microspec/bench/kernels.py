@@ -86,6 +86,7 @@ def copy_bw() -> float:
     return 2 * x.numel() / best
 
 
+@functools.cache
 def peak_bw() -> float:
     """Bytes/s, this GPU's HBM peak from its data sheet (HBM_PEAK), else its measured copy rate / 0.88 (the H200's
     ratio): the projection A/B's "% peak"."""

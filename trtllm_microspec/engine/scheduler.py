@@ -310,7 +310,7 @@ class Scheduler:
         drained: list[tuple[Request, list[int]]] = []  # the step in flight's tokens (overlap)
         emitted: list[tuple[Request, list[int]]] = []  # this step's own (synchronous)
         if self.pending and len(self.blocks.free) < len(self.running):
-            drained += self._drain()
+            drained += self.drain()
         self._boundary()
         with self.lock:
             chunks, decodes, preempted = self._schedule()
@@ -326,7 +326,7 @@ class Scheduler:
                 rec.events[1].record()
             t1 = time.perf_counter()
             rec.launch_s = t1 - t_start
-            drained += self._drain()  # step N's tokens, while this one runs
+            drained += self.drain()  # step N's tokens, while this one runs
             for req, c in chunks:  # lengths advance now (after N's emission, which reads them); tokens next step
                 if not req.done:  # (failed)
                     req.prefilled = req.n = req.prefilled + c
@@ -339,7 +339,7 @@ class Scheduler:
             self.pending = Pending(chunks, rows, tokens, event, t1)
         elif chunks or decodes:
             if self.pending:  # a step that needs the tokens in flight (a speculative round): they are read first
-                drained += self._drain()
+                drained += self.drain()
                 decodes = [r for r in decodes if not r.done]  # finished at that step: nothing more to decode
             events = self._events()
             t1 = time.perf_counter()
@@ -358,7 +358,7 @@ class Scheduler:
                 req.stats.decode_s += dt
                 emitted.append((req, self._emit(req, toks, now)))
         else:
-            drained += self._drain()
+            drained += self.drain()
         rec.step_s = time.perf_counter() - t0
         self.history.append(rec)
         if drained and emitted:  # a synchronous step after an overlapped one: a request once, as serving expects
@@ -368,11 +368,6 @@ class Scheduler:
             return list(merged.items())
         return drained or emitted
 
-    def drain(self) -> list[tuple[Request, list[int]]]:
-        """The overlapped step in flight's tokens, read now and emitted (nothing in flight: nothing): for a caller
-        that stops between steps and wants every token made (distill's --time-limit)."""
-        return self._drain()
-
     def _events(self) -> tuple | None:
         """CUDA events around a pass (timing on), the first recorded now."""
         if not (self.timing and self.runner.device.type == "cuda"):
@@ -381,9 +376,10 @@ class Scheduler:
         events[0].record()
         return events
 
-    def _drain(self) -> list[tuple[Request, list[int]]]:
+    def drain(self) -> list[tuple[Request, list[int]]]:
         """The step in flight's tokens read (waits for them) and emitted; a request that finished or left since it
-        was launched drops its token. Nothing in flight: nothing."""
+        was launched drops its token. Nothing in flight: nothing. Also for a caller that stops between steps and
+        wants every token made (distill's --time-limit)."""
         p, self.pending = self.pending, None
         if p is None:
             return []
