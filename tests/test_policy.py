@@ -5,6 +5,7 @@ and draft state carry on through the steps where it is not speculated."""
 from __future__ import annotations
 
 import itertools
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -159,6 +160,31 @@ def test_first_uses_are_not_timed(engine_dir, random_draft_dir):
     del runner.replays  # the CPU's steps are their own (no graphs): timed
     llm.generate([CASES[0][0]], [CASES[0][2]])
     assert set(runner.policy.costs.drift) == {(2, 1)}
+
+
+def test_overlapped_plain_steps_are_timed(engine_dir, random_draft_dir):
+    """Plain decode-only steps overlap the host (Scheduler overlap), so their time is known only when their tokens
+    are read, a step later: each one's time reaches the plain shape's cost (else it stays as calibrated, which
+    reads low), and the time between two requests, when the device had nothing to run, is no step's."""
+    llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    runner = llm.scheduler().runner
+    assert llm.scheduler().overlap
+    runner.policy.costs = costs = StepCosts(lambda s, rows: 1.0 if s == 0 else 10.0)  # every step plain
+    seen = []
+    observe = costs.observe
+    costs.observe = lambda shape, rows, seconds: (seen.append((shape, rows, seconds)), observe(shape, rows, seconds))
+    idle = 3.0
+    runs = []
+    for _ in range(2):
+        runs.append(llm.generate([CASES[0][0]], [CASES[0][2]])[0])
+        time.sleep(idle)
+    for r in runs:
+        assert r.stats["plain_steps"] == r.stats["new_tokens"] - 1 == CASES[0][2] - 1 and r.stats["rounds"] == 0
+    # every decode step of both requests timed (the last one's dropped row too: a step ran), and as a plain step
+    assert len(seen) >= 2 * (CASES[0][2] - 1)
+    assert {(shape, rows) for shape, rows, _ in seen} == {(0, 1)}
+    assert all(0 < seconds < idle for _, _, seconds in seen), [round(x, 3) for _, _, x in seen]  # the second request's first not from the first's end
+    assert costs(0, 1) != 1.0  # the calibration corrected
 
 
 @pytest.mark.parametrize("method", ["eagle", "microspec"])
@@ -354,6 +380,7 @@ def test_requests_decode_as_ar_where_no_tree_pays(queued, engine_dir, alone):
     sched = llm.scheduler()
     runner = sched.runner
     runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 or rows == 1 else 10.0)
+    runner.policy.costs.observe = lambda *a: None  # the mocked costs stay as they are
     runner.calibrate()
     assert runner.calibrated and runner.policy.pays(1, 1) and not runner.policy.pays(2, 2)
     keys, launch = [], runner.launch
@@ -393,6 +420,7 @@ def test_request_as_ar_beside_one_that_speculates(engine_dir):
     sched = llm.scheduler()
     runner = sched.runner
     runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 or rows == 1 else 10.0)
+    runner.policy.costs.observe = lambda *a: None  # the mocked costs stay as they are
     runner.calibrate()
     a = sched.add(llm.prompt_ids(p), 40)
     while a.stats.rounds < 1:

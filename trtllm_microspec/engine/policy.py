@@ -26,7 +26,9 @@ bucket) on first need by timing a round of padding rows (SpecRunner.measure; at 
 capturing the graphs), then followed from the running engine: each step's measured time corrects that shape's
 estimate at its bucket (`drift`), and only that shape's, because the calibration is not equally wrong for every
 shape (its padding rows read the shortest KV span and a round of them has no catch-up: on the H200 at one request
-it priced a plain step at 1.56 ms that ran at 1.95, a 60-token round at 3.63 that ran at 3.85). A shape's estimate
+it priced a plain step at 1.56 ms that ran at 1.95, a 60-token round at 3.63 that ran at 3.85). A plain step that
+overlaps the host's work (every decode-only one: Scheduler overlap) is timed when its tokens are read, one step
+later: from the end of what the device ran before it, or from its launch where the device was idle. A shape's estimate
 starts at its calibration, which reads low, so a shape that looks best is run and its real cost learnt; a step
 that was its graph's first use (an eager run, then a capture) corrects nothing. A plain step moves every ratio a
 little back toward the prior (PROBE), so speculation that stopped paying is tried again now and then: a request
@@ -144,13 +146,18 @@ class SpecPolicy:
     def ratio(self, req) -> float:
         return self.rho if req.accept_ratio is None else req.accept_ratio
 
+    def timed(self, shape: int, rows: int, seconds: float) -> None:
+        """A step's time that comes after its `observe` (an overlapped plain step's, read one step later)."""
+        if self.policy != "fixed":
+            self.costs.observe(shape, rows, seconds)
+
     def observe(self, reqs: list, shape: int, rows: int, tokens: list[int], seconds: float | None) -> None:
         """A step ran: its time corrects the cost model (None: not a step's own time, a graph's first use), a
         speculative round's tokens per request each request's acceptance ratio (and the batch's)."""
         if self.policy == "fixed":  # nothing to decide: no cost to measure
             return
         if seconds is not None:
-            self.costs.observe(shape, rows, seconds)
+            self.timed(shape, rows, seconds)
         if self.shapes[shape] is None:  # nothing observed: the ratios drift back toward the prior (PROBE)
             for r in reqs:
                 now = self.ratio(r)

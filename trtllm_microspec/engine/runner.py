@@ -232,8 +232,9 @@ class BatchRunner:
         """Whether this step may be launched before the step in flight is read (Scheduler overlap; AR: always)."""
         return True
 
-    def read(self, reqs: list) -> None:
-        """The oldest overlapped step's tokens were emitted to `reqs` (AR keeps no statistics of its own)."""
+    def read(self, reqs: list, seconds: float | None) -> None:
+        """The oldest overlapped step's tokens were emitted to `reqs`; it took `seconds` (Scheduler.drain; None:
+        not known). AR keeps no statistics of its own."""
 
     def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
         """One target pass: the next chunk of each (request, chunk length) being prefilled and one decode row per
@@ -550,7 +551,9 @@ class SpecRunner(BatchRunner):
         # and the step's verified top-K_ver ids, which join the window's deferred ids (vocab.defer) at the catch-up
         self.lag_ver = torch.full((max_batch + 1, self.lag_max, k_ver), -1, dtype=torch.long, device=dev)
         self.lags = [0] * (max_batch + 1)  # per batch slot on the host: its pending rows (the device reads inp[3])
-        self.whys: deque[str] = deque()  # why each overlapped step in flight runs plain, oldest first (`read`)
+        # each overlapped step in flight, oldest first (`read`): why it runs plain, its rows bucket, and whether its
+        # time is a plain step's cost (not a graph's first use, nor a step of requests that decode as AR's)
+        self.whys: deque[tuple[str, int, bool]] = deque()
         self.calibrated = False  # every step cost the policy weighs measured (calibrate): prompts_pay may use them
         # per batch slot: whether its request speculates (decided at its prompt's first pass: `_admit`), None: not yet
         self.speculates: list[bool | None] = [None] * (max_batch + 1)
@@ -776,11 +779,11 @@ class SpecRunner(BatchRunner):
         for it): the policy sees only its plain step (PROBE). A step of requests that all decode as AR's is AR's."""
         if self._as_ar(chunks, decodes):
             self.planned = None
-            self.whys.append("cost")
+            self.whys.append(("cost", 0, False))
             return BatchRunner.step_async(self, chunks, decodes)
-        shape, Bb, _ = self._launch_decode(decodes)
-        self.policy.observe(decodes, shape, Bb, [1] * len(decodes), None)
-        self.whys.append(self.policy.why)  # counted when its tokens are read (`read`)
+        shape, Bb, t0 = self._launch_decode(decodes)
+        self.policy.observe(decodes, shape, Bb, [1] * len(decodes), None)  # its time comes with its tokens
+        self.whys.append((self.policy.why, Bb, t0 is not None))  # counted when its tokens are read (`read`)
         return self.launched([(r, False) for r in decodes], self.next[:len(decodes)])
 
     def count_step(self, stats, size: int, why: str | None = None) -> None:
@@ -791,10 +794,15 @@ class SpecRunner(BatchRunner):
             why = why or self.policy.why
             stats.plain_reasons[why] = stats.plain_reasons.get(why, 0) + 1
 
-    def read(self, reqs: list) -> None:
+    def read(self, reqs: list, seconds: float | None) -> None:
         """The oldest overlapped step's tokens were emitted to `reqs` (its rows of requests that finished at the
-        step before are dropped: those ran no step of theirs): each request's plain step counted."""
-        why = self.whys.popleft()
+        step before are dropped: those ran no step of theirs): each request's plain step counted, and its time
+        (`seconds`) the plain shape's cost at its rows bucket. Without it a plain step's cost would stay as
+        calibrated wherever plain steps overlap (every decode-only one), and that reads low: at one request on the
+        H200 1.56 ms for a step that ran at 1.95, so speculation was priced 1.25x dearer than it was."""
+        why, Bb, timed = self.whys.popleft()
+        if timed and seconds is not None:
+            self.policy.timed(0, Bb, seconds)
         for r in reqs:
             self.count_step(r.stats, 1, why)
 

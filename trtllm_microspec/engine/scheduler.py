@@ -117,7 +117,8 @@ class Pending:
     rows: list[tuple[Request, bool]]
     tokens: torch.Tensor
     event: object  # torch.cuda.Event, None on the CPU
-    t_launch: float
+    t_start: float  # when its launch began
+    t_launch: float  # when its launch returned
 
 
 class Scheduler:
@@ -130,6 +131,9 @@ class Scheduler:
             overlap = DEFAULT_OVERLAP
         self.overlap = overlap
         self.pending: Pending | None = None  # the overlapped step in flight
+        # when the device last finished what had been launched (a read of the step in flight, the end of a
+        # synchronous step): an overlapped step's time is counted from it or from its own launch, the later
+        self.t_done = 0.0
         self.max_seq_len = runner.target.cfg.max_seq_len
         self.blocks: BlockManager = runner.blocks
         self.stop_ids = set(runner.stop_ids)
@@ -336,7 +340,7 @@ class Scheduler:
                 if not r.done:  # (finished at N: its row's token is dropped)
                     r.n += 1
                     r.last = -1
-            self.pending = Pending(chunks, rows, tokens, event, t1)
+            self.pending = Pending(chunks, rows, tokens, event, t_start, t1)
         elif chunks or decodes:
             if self.pending:  # a step that needs the tokens in flight (a speculative round): they are read first
                 drained += self.drain()
@@ -344,7 +348,7 @@ class Scheduler:
             events = self._events()
             t1 = time.perf_counter()
             firsts, decoded = self._run(chunks, decodes)  # its tokens read back: the pass is over
-            now = time.perf_counter()  # when every token of this step was emitted
+            now = self.t_done = time.perf_counter()  # when every token of this step was emitted
             dt = now - t1  # the one pass counts for every request in it, as its phase
             if events:
                 events[1].record()
@@ -387,6 +391,11 @@ class Scheduler:
             p.event.synchronize()
         now = time.perf_counter()
         dt = now - p.t_launch
+        # the step's own time: the device ran it after what it had before (read at t_done) or from its launch,
+        # whichever came later (so a gap with nothing to run is not counted); in a stream of overlapped steps,
+        # one read to the next. On the CPU (no event) the launch ran the step: its time is the launch's
+        took = now - max(p.t_start, self.t_done) if p.event is not None else p.t_launch - p.t_start
+        self.t_done = now
         for req, _ in p.chunks:
             req.stats.prefill_s += dt
         emitted, kept = [], []  # kept: the decode rows whose token is their request's
@@ -402,7 +411,9 @@ class Scheduler:
                 req.stats.decode_s += dt
                 kept.append(req)
             emitted.append((req, self._emit(req, [tok], now)))
-        self.runner.read(kept)
+        # a step none of whose rows is kept ran for requests that had finished: nothing waited for it, so it may
+        # have been read long after it ended (the next request's first step, after an idle engine): no time
+        self.runner.read(kept, took if kept else None)
         return emitted
 
     def _launch(self, chunks: list[tuple[Request, int]], decodes: list[Request]):
