@@ -97,7 +97,7 @@ def report(title: str, fn, top: int = int(os.environ.get("TOP", 6)), setup=None)
 
 
 def batched(engine: str, method: str):
-    import trtllm_microspec.engine.runner as R
+    import trtllm_microspec.engine.spec_runner as R
     import trtllm_microspec.speculative.batch_tree as BT
 
     llm = LLM(engine, method, device="cpu", dtype="float32", max_seq_len=1024, spec_policy="fixed", **TREE)

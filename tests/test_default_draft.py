@@ -93,7 +93,7 @@ def test_generate_says_why_it_decoded_plainly(capsys, monkeypatch):
     its steps take, a tree never run keeps its calibration) every step runs plain:
     the JSON counts them with their reason and reports no acceptance (null, not 0.0), and one line on stderr says
     it decoded plainly and why."""
-    from trtllm_microspec.engine.runner import SpecRunner
+    from trtllm_microspec.engine.spec_runner import SpecRunner
 
     s, err = run_json(capsys)
     assert s["rounds"] > 0 and s["acceptance_length"] >= 1 and s["plain_steps"] == 0

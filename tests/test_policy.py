@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trtllm_microspec import LLM
-from trtllm_microspec.engine.runner import LAG
+from trtllm_microspec.engine.spec_runner import LAG
 from trtllm_microspec.speculative.batch_tree import physical
 from trtllm_microspec.engine.policy import PAYS_MARGIN, SpecPolicy, StepCosts, prior_tokens, tree_shapes
 from trtllm_microspec.models.registry import UserError

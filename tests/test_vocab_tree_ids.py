@@ -1,5 +1,5 @@
 """Issue 37, `k_tree`: the target's top-K ids at every tree node it verified, the rejected ones too, join the
-MicroSpec window each round (engine/runner.py `_round`). A rejected node is the accepted prefix with another guess
+MicroSpec window each round (engine/spec_runner.py `_round`). A rejected node is the accepted prefix with another guess
 at some depth, so its top ids are mostly what follows the bonus token: the content word the next round must draft,
 which the accepted path's top-K_ver (the position before it) does not name. The window still never exceeds W_max,
 and the output stays AR's."""

@@ -267,7 +267,8 @@ class LLM:
     def scheduler(self):
         """The batched engine (in-flight batching over a paged KV pool), made on first use."""
         if self._scheduler is None:
-            from .engine.runner import BatchRunner, SpecRunner
+            from .engine.runner import BatchRunner
+            from .engine.spec_runner import SpecRunner
             from .engine.scheduler import Scheduler
             if self.method == "ar":
                 runner = BatchRunner(self.target, self.max_batch, self.kv_memory, self.cuda_graphs,

@@ -311,7 +311,7 @@ def trace(sched, target, a, g) -> list[str]:
     return out
 
 
-# a round's pieces, by the names runner.py calls them: (label, module, attribute)
+# a round's pieces, by the names spec_runner.py calls them: (label, module, attribute)
 PHASES = [("draft tree (depth steps: draft layer + head + growth, the selection)", "runner", "draft_trees"),
           ("verify (target pass over the tree + LM head)", "runner", "verify"),
           ("accept", "runner", "accept"),
@@ -376,7 +376,7 @@ def round_phases(sched, target, a, g) -> list[str]:
     H200 they left a verify with cuBLAS's kernels alone, under its byte floor)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from ..engine import runner as runner_mod
+    from ..engine import spec_runner as runner_mod
 
     runner, B = sched.runner, max(a.batch)
     owners = dict(runner=runner_mod, draft=runner.draft, vocab=runner.vocab, engine=runner, target=target)
