@@ -33,6 +33,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from trtllm_microspec.engine import runner as runner_mod
+from trtllm_microspec.engine import spec_runner
 from trtllm_microspec.engine import scheduler as sched_mod
 from trtllm_microspec.models.model import ModelConfig, Transformer
 from trtllm_microspec.speculative import sampling
@@ -68,7 +69,7 @@ def make(batch: int, overlap: bool = False, method: str = "ar"):
         from trtllm_microspec.vocab.strategies import make_vocab
         draft = EagleDraft(draft_config(t.cfg), bias=False).setup(t, torch.float32, torch.device("cpu"))
         vocab = make_vocab(method, t.head_weight, [], w_max=256)
-        runner = runner_mod.SpecRunner(t, draft, vocab, TreeConfig(5, 10, 60), 3, 3, batch, kv_memory=1.0, k_tree=3)
+        runner = spec_runner.SpecRunner(t, draft, vocab, TreeConfig(5, 10, 60), 3, 3, batch, kv_memory=1.0, k_tree=3)
         runner.policy.choose = lambda reqs, rows: 0  # plain rows every step
         draft.layers = nn.ModuleList([NoLayer()])  # the draft's fc alone: no attention run on the CPU's cores
     t.layers = nn.ModuleList()  # the forward: embedding, physical slots, position write, final norm

@@ -451,7 +451,7 @@ def test_timeline_trace_round_pieces(engine_dir, tmp_path):
     """profile --timeline --trace --method microspec: the eager pass puts each of a round's pieces in its own
     range, once a round each, the draft layer once per depth step plus the accepted path's pass (the CPU tree:
     depth 3), and the wrapped functions are the originals again afterwards."""
-    from trtllm_microspec.engine import runner as runner_mod
+    from trtllm_microspec.engine import spec_runner as runner_mod
 
     before = runner_mod.draft_trees, runner_mod.verify, runner_mod.accept
     out = tmp_path / "tl"

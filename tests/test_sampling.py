@@ -12,7 +12,7 @@ import torch
 
 from trtllm_microspec import LLM
 from trtllm_microspec.cli import main
-from trtllm_microspec.engine import runner
+from trtllm_microspec.engine import spec_runner
 from trtllm_microspec.models.model import Span
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.speculative.batch_tree import accept
@@ -261,7 +261,7 @@ def test_the_check_fails_a_broken_acceptance_rule(spec, exact, monkeypatch):
                                  anc=tree.anc[b]), choice[b]) for b in range(choice.shape[0])]
         return accept(tree, torch.stack(rows), P)
 
-    monkeypatch.setattr(runner, "accept", broken)
+    monkeypatch.setattr(spec_runner, "accept", broken)
     counts, _ = sample_counts(spec["microspec"])
     assert not fits(counts, exact), counts
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trtllm_microspec import LLM
-from trtllm_microspec.engine import runner as runner_mod
+from trtllm_microspec.engine import spec_runner as runner_mod
 
 PROMPT = "Translate into French: The weather is lovely today and we are going to the beach."
 TREE = dict(depth=2, top_k=3, total_tokens=8, spec_policy="fixed")
