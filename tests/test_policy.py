@@ -106,12 +106,14 @@ def test_plain_steps_probe_speculation_again():
 
 
 def test_costs_follow_the_engine():
-    """A step's measured time corrects its own shape at its rows bucket, and no other: the calibration is not
-    equally wrong for every shape."""
+    """A step's measured time corrects its own shape at its rows bucket, and no other bucket; a tree that has not
+    run at that bucket yet is corrected as the plain shape there (a tree's own steps then count alone: the
+    calibration is not equally wrong for every shape), so a plain cost from its steps is never weighed against a
+    bare calibration of a tree."""
     costs = StepCosts(lambda s, rows: {0: 1.0, 1: 2.0}[s] * rows)
     assert costs(1, 4) == 8.0
     costs.observe(0, 4, 8.0)  # plain steps at 4 rows run 2x what was calibrated
-    assert costs(0, 4) == 8.0 and costs(1, 4) == 8.0 and costs(0, 2) == 2.0
+    assert costs(0, 4) == 8.0 and costs(1, 4) == 16.0 and costs(0, 2) == 2.0 and costs(1, 2) == 4.0
     costs.observe(1, 4, 24.0)  # and rounds 3x
     assert costs(1, 4) == 24.0 and costs(0, 4) == 8.0
     costs.observe(1, 4, 8.0)  # a running average

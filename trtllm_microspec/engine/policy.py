@@ -24,8 +24,8 @@ distribution whatever it picks (the verification is lossless for any tree, the r
 `fixed` always runs the configured tree (the engine before this policy). Costs are calibrated per (shape, rows
 bucket) on first need by timing a round of padding rows (SpecRunner.measure; at start-up on CUDA for every bucket,
 capturing the graphs), then followed from the running engine: each step's measured time corrects that shape's
-estimate at its bucket (`drift`), and only that shape's, because the calibration is not equally wrong for every
-shape (its padding rows read the shortest KV span and a round of them has no catch-up: on the H200 at one request
+estimate at its bucket (`drift`), and only that shape's (a tree not yet run there follows the plain shape's until
+its own steps come: StepCosts), because the calibration is not equally wrong for every shape (its padding rows read the shortest KV span and a round of them has no catch-up: on the H200 at one request
 it priced a plain step at 1.56 ms that ran at 1.95, a 60-token round at 3.63 that ran at 3.85). A plain step that
 overlaps the host's work (every decode-only one: Scheduler overlap) is timed when its tokens are read, one step
 later: from the end of what the device ran before it, or from its launch where the device was idle. A shape's estimate
@@ -85,7 +85,11 @@ def prior_tokens(tree: TreeConfig | None, top1: float = 0.45, gamma: float = 0.3
 
 class StepCosts:
     """Seconds per step of each (shape index, rows bucket): measured once by `measure(shape, rows)` (on first
-    need; a test passes its own), corrected by the steps of that shape and bucket the engine runs (`observe`)."""
+    need; a test passes its own), corrected by the steps of that shape and bucket the engine runs (`observe`). A
+    tree with no steps of its own at a bucket yet is corrected as the plain shape is there: the calibration's
+    padding rows read low for every shape, and plain steps (the most run) say by how much first; a tree's own steps
+    then replace it. So a corrected plain cost is weighed against a tree's measured one, or against one corrected
+    alike (as before any step: the calibrations' ratio), never against a bare calibration."""
 
     def __init__(self, measure: Callable[[int, int], float]):
         self.measure = measure
@@ -96,7 +100,7 @@ class StepCosts:
         key = (shape, rows)
         if key not in self.base:
             self.base[key] = max(float(self.measure(shape, rows)), 1e-9)
-        return self.base[key] * self.drift.get(key, 1.0)
+        return self.base[key] * self.drift.get(key, self.drift.get((0, rows), 1.0))
 
     def observe(self, shape: int, rows: int, seconds: float) -> None:
         key = (shape, rows)
