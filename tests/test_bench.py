@@ -524,6 +524,24 @@ def test_timeline_requests_join_a_running_batch(engine_dir, tmp_path):
         main(["profile", "--engine", str(engine_dir), "--timeline", "--requests", "-1"])
 
 
+def test_timeline_reports_the_policys_costs_after_the_passes(engine_dir, tmp_path):
+    """profile --timeline --spec-policy auto lists each shape's calibrated step cost beside the policy's estimate
+    after the passes: a shape that ran steps at that bucket corrected by them, a tree that did not corrected as the
+    plain shape there (the same ratio to its calibration), else left at its calibration."""
+    out = tmp_path / "tl"
+    main(["profile", "--engine", str(engine_dir), "--timeline", "--method", "microspec", "--spec-policy", "auto",
+          "--batch", "1", "--context", "16", "--new-tokens", "8", "--out", str(out)])
+    costs = [c for c in json.loads(out.with_suffix(".json").read_text())["costs"] if c["rows"] == 1]
+    plain = [c for c in costs if c["shape"].startswith("plain")]
+    assert len(plain) == 1 and len(costs) > 1  # every shape the policy weighed at one request
+    assert any(c["own_steps"] for c in costs)  # the passes' steps corrected the shapes they ran
+    scale = plain[0]["now_ms"] / plain[0]["ms"] if plain[0]["own_steps"] else 1.0
+    for c in costs:
+        if not c["own_steps"]:
+            assert c["now_ms"] == pytest.approx(c["ms"] * scale)
+    assert "| calibrated ms | after the passes ms | from its own steps |" in out.read_text()
+
+
 def test_single_request_warmup_runs_every_measured_turn_once(engine_dir, tmp_path, monkeypatch):
     """--warmup: each measured turn (a two-turn MT-bench question: the second turn's conversation holds the first
     answer) is generated once unmeasured before its timed run, so the timed pass meets no first use of a CUDA graph;

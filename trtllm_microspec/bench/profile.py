@@ -215,15 +215,22 @@ def timeline(a) -> None:
     if policy is not None:
         for (shape, Bb), sec in sorted(policy.costs.base.items()):
             tree = runner.shapes[shape]
+            # and what the policy holds after the passes: corrected by the shape's own steps at that bucket
+            # (a tree not run there: as the plain shape's, StepCosts), or the calibration where nothing corrected it
             costs.append(dict(shape=f"{tree.total_tokens} tokens (depth {tree.depth}, top-{tree.top_k})" if tree
-                              else "plain rows (root only)", rows=Bb, ms=sec * 1e3))
-            print(f"timeline: calibrated step, {costs[-1]['shape']:32s} rows {Bb:4d}: {costs[-1]['ms']:7.3f} ms",
-                  flush=True)
+                              else "plain rows (root only)", rows=Bb, ms=sec * 1e3,
+                              now_ms=policy.costs(shape, Bb) * 1e3, own_steps=(shape, Bb) in policy.costs.drift))
+            c = costs[-1]
+            print(f"timeline: calibrated step, {c['shape']:32s} rows {Bb:4d}: {c['ms']:7.3f} ms, after the passes "
+                  f"{c['now_ms']:7.3f} ms{' (its own steps)' if c['own_steps'] else ''}", flush=True)
     if costs:
         lines += ["", "The speculation policy's calibrated step costs (SpecRunner.measure at start-up: padding rows, "
-                  "the captured graph replayed, the host read included; min of 3):", "",
-                  "| shape | rows | ms |", "|---|---:|---:|"] + [f"| {c['shape']} | {c['rows']} | {c['ms']:.3f} |"
-                                                            for c in costs]
+                  "the captured graph replayed, the host read included; min of 3), and its estimates after the "
+                  "passes: corrected by the shape's own steps at that rows bucket (an overlapped plain step timed "
+                  "at its read), a tree with none there as the plain shape's:", "",
+                  "| shape | rows | calibrated ms | after the passes ms | from its own steps |", "|---|---:|---:|---:|---|"] + \
+            [f"| {c['shape']} | {c['rows']} | {c['ms']:.3f} | {c['now_ms']:.3f} | {'yes' if c['own_steps'] else 'no'} |"
+             for c in costs]
     if a.trace:
         lines += ["", *trace(sched, target, a, g)]
     write_report(a.out, "\n".join(lines) + "\n", dict(meta=meta, timeline=rows, steps=steps, costs=costs))
