@@ -1,6 +1,6 @@
 """`python -m plugins.check_layers`: the Triton layer kernels against the torch reference on random inputs.
 
-Each op (add + RMSNorm, rotary + cache write, gated activation, the vocabulary top-k's grouped selection, the KV
+Each op (add + RMSNorm, rotary + cache write, gated activation, the vocabulary top-k, the KV
 slots' move, the projections' skinny GEMM in every config it may be measured in (with bias, with SiLU / GELU x up in
 its prologue, split K, rows 1 .. 64, bf16 and fp32 even under the interpreter), attention over random tree / causal
 / windowed spans, over batches of requests with their own committed lengths in a pool behind random block tables,
@@ -81,15 +81,23 @@ def check_act(dev, dtype, g, inter: int) -> float:
 
 
 def check_topk(dev, dtype, g, T: int, V: int, k: int) -> float:
-    """vocab_topk's grouped selection against torch.topk: the same values, and ids that hold them (ties may pick
-    other ids of an equal value). Rows with ties at the top, across groups and in the last short group. Error 0 or 1."""
+    """vocab_topk's fast path against torch.topk: the same values, ids that hold them, and among equal values the
+    lower id first (so the first id is torch.argmax's). Rows with ties at the top across chunks, a row whose top k
+    are its last ids (the last, shorter chunk), a row where every id ties, a NaN (ranked as -inf). Error 0 or 1."""
     x = torch.randn(T, V, generator=g).to(dev, dtype)
-    x[0, [3, V // 2, V - 1]] = 9.0  # a tie at the top: the first group, a middle one, the last one
-    x[-1, V - k:] = 8.0  # a row whose top k are its last ids (the shorter group past TOPK_GROUP x groups, if any)
+    x[0, [V - 1, V // 2, 3]] = 9.0  # a tie at the top: the first chunk, a middle one, the last one
+    x[-1, V - k:] = 8.0
     if T > 1:
         x[1] = 0.0  # every id ties
-    (v1, i1), (v2, _) = both(lambda: layers.vocab_topk(x, k))
-    return 0.0 if torch.equal(v1, v2) and torch.equal(x.gather(1, i1), v1) and bool((i1 < V).all()) else 1.0
+    if T > 2:
+        x[2, 5] = float("nan")
+    with layers.path(True):
+        v1, i1 = layers.vocab_topk(x, k)
+    x = x.nan_to_num(float("-inf"))  # (torch.topk ranks NaN first)
+    v2 = x.topk(k, -1).values
+    same = torch.equal(v1, v2) and torch.equal(x.gather(1, i1), v1) and bool(((0 <= i1) & (i1 < V)).all())
+    tie_order = bool(((v1[:, 1:] < v1[:, :-1]) | (i1[:, 1:] > i1[:, :-1])).all())
+    return 0.0 if same and tie_order and torch.equal(i1[:, 0], x.argmax(-1)) else 1.0
 
 
 def check_move(dev, dtype, g, L: int, KV: int, D: int, P: int) -> float:
@@ -235,6 +243,32 @@ def check_tree_select(dev, g, B: int, k: int, depth: int, N: int) -> float:
             if not (p < n and deep[b, n] == deep[b, p] + 1 and torch.equal(anc[b, n], want)):
                 return 1.0
     return 0.0
+
+
+def check_tree_accept(dev, g, B: int, k: int, depth: int, N: int) -> float:
+    """tree_accept on trees tree_select made from random pools, against choices that make a random node's whole
+    path right (and, in some requests, a sibling of equal token and depth: the first of equals is the leaf), others
+    random; the last request all wrong where there are two or more (only the root accepted). Exactly the reference's path, k and emitted.
+    Error 0 or 1."""
+    P = k + depth * k * k
+    score, best = tree_pool(g, B, k, depth, lambda shape: -torch.rand(*shape, generator=g) * 6)
+    tok = torch.randint(0, 8, (B, P), generator=g)  # few distinct ids: siblings often share one
+    root = torch.randint(0, 8, (B,), generator=g)
+    with layers.path(False):
+        tokens, parent, deep, anc = layers.tree_select(root, tok, score, best, k, N)
+    choice = torch.randint(0, 8, (B, N), generator=g)
+    wrong = B > 1  # the last request all wrong
+    for b in range(B - wrong):
+        n = int(torch.randint(1, N, (1,), generator=g))
+        while n:  # every node on n's path right: the choice after its parent is its token
+            choice[b, parent[b, n]] = tokens[b, n]
+            n = int(parent[b, n])
+    if wrong:
+        choice[-1] = -1
+    args = [x.to(dev) for x in (tokens, parent, deep, anc, choice)]
+    fast, ref = both(lambda: layers.tree_accept(*args, depth + 2))
+    return 0.0 if all(torch.equal(a.cpu(), r.cpu()) for a, r in zip(fast, ref)) and int(ref[1][0]) > 0 \
+        and (not wrong or int(ref[1][-1]) == 0) else 1.0
 
 
 def check_linear(dev, dtype, g, M: int, N: int, K: int, bias: bool, act: str | None) -> list[tuple[tuple, float]]:
@@ -736,11 +770,14 @@ def cases(dev: str, big: bool, g):
     for B, k, depth, N in [(1, 10, 5, 60), (3, 10, 5, 60), (2, 4, 3, 12), (3, 3, 2, 7), (2, 4, 1, 10)]:
         yield (f"tree_select B={B} k={k} depth={depth} N={N}", 0.0,
                lambda B=B, k=k, depth=depth, N=N: check_tree_select(dev, g, B, k, depth, N))
+    for B, k, depth, N in [(1, 10, 5, 60), (4, 10, 5, 60), (5, 4, 3, 12), (3, 2, 1, 3)]:
+        yield (f"tree_accept B={B} k={k} depth={depth} N={N}", 0.0,
+               lambda B=B, k=k, depth=depth, N=N: check_tree_accept(dev, g, B, k, depth, N))
     for dtype in dtypes:
         for B, k, depth, d in [(3, 10, 5, 1536 if big else 96), (2, 3, 3, 40)]:
             yield (f"tree_grow B={B} k={k} depth={depth} d={d} {str(dtype).removeprefix('torch.')}", 0.0,
                    lambda B=B, k=k, depth=depth, d=d, dtype=dtype: check_tree_grow(dev, dtype, g, B, k, depth, d))
-    # (rows, vocabulary, k): the LM head's top-K_pre / K_ver / k_tree rows; a vocabulary that 128 does not divide
+    # (rows, vocabulary, k): the LM head's top-K_pre / K_ver / k_tree rows; a vocabulary 4,096 does not divide
     tk = [(60, 151936, 10), (512, 151936, 3), (1, 151936, 3), (7, 100003, 3)] if big else \
          [(9, 12345, 3), (2, 20480, 10), (1, 3100, 3)]
     for dtype in dtypes:

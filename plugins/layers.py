@@ -302,43 +302,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, a
     return F.linear(x, w, bias)
 
 
-TOPK_GROUP = 128  # vocab_topk's group width: qwen2's 151,936 ids are 1,187 groups of 128
+VOCAB_TOP_MAX_K = 16  # vocab_top's picks are unrolled in its two kernels: the LM head's K_pre / K_ver / k_tree
 
 
 def vocab_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, V] over a vocabulary (an LM head's rows) -> the k largest of each row (values, ids) [T, k],
-    largest first: torch.topk (the reference). On CUDA the grouped selection instead: torch's radix top-k over
-    152k-wide rows took 281 ms of a batch-64 microspec pass on the H200 (every prompt row's top-K_pre, every
-    round's over its trees' logits), where one read of 8,192 rows of logits takes ~0.6 ms."""
-    if k <= 0 or logits.shape[-1] < 8 * TOPK_GROUP * k or not fast(logits):
+    largest first: torch.topk (the reference). On CUDA the two-pass selection of triton_layers.vocab_top instead
+    (each row's chunks of 4,096 ids keep their k best, then one program a row merges them): torch's radix top-k
+    over 152k-wide rows took 281 ms of a batch-64 microspec pass on the H200 (every prompt row's top-K_pre, every
+    round's over its trees' logits), where one read of 8,192 rows of logits takes ~0.6 ms; the grouped selection
+    that replaced it read the logits once too but took ~10 launches. Equal values: the fast path takes the lower
+    id first, torch.topk any of them."""
+    if k <= 0 or k > min(VOCAB_TOP_MAX_K, logits.shape[-1]) or not fast(logits):
         return logits.topk(k, -1)
-    return grouped_topk(logits, k)
-
-
-def grouped_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vocab_topk by groups: each row's maximum per group (the one full read), the k groups with the largest maxima,
-    then the top k of those k groups' ids. Group j holds ids j, j + G, j + 2G, ... (G = V // TOPK_GROUP groups, and
-    the ids past TOPK_GROUP * G one more), so the maxima reduce across rows of a [TOPK_GROUP, G] view and
-    neighbouring threads read neighbouring ids (with contiguous groups of 128, each maximum its own 256 bytes, the
-    reduction took 119 ms of 141 calls in a batch-64 trace pass on the H200, the radix top-k it replaced 281 ms; the
-    strided groups are not measured there yet). The same values as torch.topk: every id above the k-th largest value
-    v is in a group whose maximum is above v, and there are fewer than k of those, so they are all chosen; the other
-    chosen groups have maxima v, which fill the rest (ties between equal values may pick other ids of the same value
-    than torch.topk does)."""
-    T, V = logits.shape
-    g = TOPK_GROUP
-    G = V // g
-    M = G * g
-    maxima = logits[:, :M].view(T, g, G).amax(1)  # (a view: rows keep their stride V)
-    if M < V:  # the ids past M: one more, shorter group
-        maxima = torch.cat([maxima, logits[:, M:].amax(-1, keepdim=True)], 1)
-    groups = maxima.topk(k, -1).indices  # [T, k]
-    step = torch.arange(g, device=logits.device)
-    ids = torch.where(groups[:, :, None] < G, groups[:, :, None] + G * step, M + step)  # [T, k, g]
-    vals = logits.gather(1, ids.clamp(max=V - 1).flatten(1))
-    vals = vals.masked_fill(ids.flatten(1) >= V, float("-inf"))  # the last group's ids past V
-    top, at = vals.topk(k, -1)
-    return top, ids.flatten(1).gather(1, at)
+    from .triton_layers import vocab_top
+    return vocab_top(logits, k)
 
 
 # The tree kernels' sizes, past which the reference runs: tree_grow ranks the k x k children in one power-of-2
@@ -421,6 +399,33 @@ def tree_select(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, best
         anc = eye | anc.gather(1, par[:, :, None].expand(B, N, N))
     tokens = torch.cat([root[:, None], tok.gather(1, chosen)], 1)
     return tokens, par, anc.sum(2) - 1, anc
+
+
+@functools.cache
+def _levels(n: int, dev: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=dev)
+
+
+def tree_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
+                choice: torch.Tensor, max_path: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Acceptance of B trees (tokens, parent, depth [B, N], anc [B, N, N]) against the target's choice after each
+    node [B, N] (its argmax, or its draw): a node is right when its token is the choice after its parent (the
+    root always), accepted when it and its ancestors are right. -> path [B, max_path] (tree indices by depth, the
+    deepest accepted node -- the first of equals -- repeated past its depth), k [B] (its depth: draft tokens
+    accepted), emitted [B, max_path] (the choice after each path node: valid up to index k). On CUDA one launch
+    where this reference is ~20 kernels."""
+    B, N = tokens.shape
+    if fast(tokens, choice) and N <= TREE_NODES_MAX:
+        from .triton_layers import tree_accept as kernel
+        return kernel(tokens, parent, depth, anc, choice, max_path)
+    levels = _levels(max_path, tokens.device)
+    ok = (tokens == choice.gather(1, parent)) | (depth == 0)
+    path_ok = ~(anc & ~ok[:, None, :]).any(2)
+    leaf = torch.where(path_ok, depth, -1).argmax(1)  # [B]
+    leaf_anc = anc.gather(1, leaf[:, None, None].expand(B, 1, N))  # [B, 1, N]
+    on_path = leaf_anc & (depth[:, None, :] == levels[None, :, None])  # [B, max_path, N]
+    path = torch.where(on_path.any(2), on_path.float().argmax(2), leaf[:, None])
+    return path, depth.gather(1, leaf[:, None])[:, 0], choice.gather(1, path)
 
 
 def linear_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, act: str | None) -> dict:

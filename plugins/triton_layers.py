@@ -213,6 +213,61 @@ def _desc_key(x, slot):
     return (hi.to(tl.int64) << 32) | (4294967295 - slot.to(tl.int64))
 
 
+VOCAB_CHUNK = 4096  # vocab_top's ids a program: qwen2's 151,936 are 38 chunks a row
+
+
+@triton.jit
+def _vocab_top_chunk_kernel(x_ptr, stride_x, V, key_ptr, C, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1: one program per (row, chunk of BLOCK ids) keeps its chunk's k best as _desc_keys (value, then the
+    lower id), one max-reduction a pick."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    ids = c * BLOCK + tl.arange(0, BLOCK)
+    ok = ids < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + ids, mask=ok, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))  # NaN (a padding row's garbage) ranks as -inf
+    key = tl.where(ok, _desc_key(x, ids), _PAD_KEY)
+    out = key_ptr + (row.to(tl.int64) * C + c) * K
+    for r in tl.static_range(K):
+        best = tl.max(key, axis=0)
+        tl.store(out + r, best)
+        key = tl.where(key == best, _PAD_KEY, key)  # keys are unique (the id is in each): exactly one taken
+
+
+@triton.jit
+def _vocab_top_merge_kernel(x_ptr, stride_x, key_ptr, n, val_ptr, id_ptr, K: tl.constexpr, N_BLOCK: tl.constexpr):
+    """Pass 2: one program per row picks the k best of its chunks' n = chunks x k keys, largest first, and reads
+    each one's value back from the row (the exact logit, in its dtype)."""
+    row = tl.program_id(0)
+    j = tl.arange(0, N_BLOCK)
+    key = tl.load(key_ptr + row.to(tl.int64) * n + j, mask=j < n, other=_PAD_KEY)
+    for r in tl.static_range(K):
+        best = tl.max(key, axis=0)
+        i = 4294967295 - (best & 4294967295)  # the id in the key's low half
+        tl.store(id_ptr + row * K + r, i)
+        tl.store(val_ptr + row * K + r, tl.load(x_ptr + row.to(tl.int64) * stride_x + i))
+        key = tl.where(key == best, _PAD_KEY, key)
+
+
+def vocab_top(logits, k):
+    """layers.vocab_topk in two launches: each row's k largest (values, ids), largest first and, among equal
+    values, the lower id first (so the first is torch.argmax's); one read of the logits."""
+    import torch
+
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    T, V = logits.shape
+    C = triton.cdiv(V, VOCAB_CHUNK)
+    keys = torch.empty(T, C * k, dtype=torch.int64, device=logits.device)
+    vals = torch.empty(T, k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, k, dtype=torch.long, device=logits.device)
+    if T == 0:
+        return vals, ids
+    _vocab_top_chunk_kernel[(T, C)](logits, logits.stride(0), V, keys, C, K=k, BLOCK=VOCAB_CHUNK, num_warps=8)
+    _vocab_top_merge_kernel[(T,)](logits, logits.stride(0), keys, C * k, vals, ids, K=k,
+                                  N_BLOCK=triton.next_power_of_2(C * k), num_warps=4)
+    return vals, ids
+
+
 @triton.jit
 def _pool_parent(x, best_row, P, K: tl.constexpr):
     """Pool indices -> their parents' (tree_select's layout); the first level's and the sink P's: P."""
@@ -283,6 +338,49 @@ def tree_select(root, tok, score, best, penalty, k, N):
                               N_BLOCK=triton.next_power_of_2(N),
                               num_warps=8)
     return tokens, parent, depth, anc
+
+
+@triton.jit
+def _tree_accept_kernel(tok_ptr, par_ptr, depth_ptr, anc_ptr, choice_ptr, path_ptr, k_ptr, emit_ptr, N, P,
+                        N_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr):
+    b = tl.program_id(0)  # one request's tree
+    n = tl.arange(0, N_BLOCK)  # its nodes (rows of anc), and its columns
+    nok = n < N
+    row = b.to(tl.int64) * N
+    tok = tl.load(tok_ptr + row + n, mask=nok, other=0)
+    par = tl.load(par_ptr + row + n, mask=nok, other=0)
+    dep = tl.load(depth_ptr + row + n, mask=nok, other=0)
+    # a node is right where the target's choice after its parent is its token (the root always)
+    ok = (tok == tl.load(choice_ptr + row + par, mask=nok, other=-1)) | (dep == 0)
+    a = tl.load(anc_ptr + (row + n[:, None]) * N + n[None, :], mask=nok[:, None] & nok[None, :], other=0) != 0
+    # a node is accepted when it and every ancestor are right: no ancestor column that is wrong
+    wrong = a & (ok == 0)[None, :]
+    path_ok = (tl.max(wrong.to(tl.int32), axis=1) == 0) & nok
+    key = tl.where(path_ok, dep, -1)
+    k = tl.max(key, axis=0)
+    leaf = tl.min(tl.where(key == k, n, N_BLOCK), axis=0)  # the deepest accepted node, the first of equals
+    on = tl.load(anc_ptr + (row + leaf) * N + n, mask=nok, other=0) != 0  # the leaf's ancestors (itself too)
+    lv = tl.arange(0, P_BLOCK)
+    at = tl.min(tl.where(on[None, :] & (dep[None, :] == lv[:, None]), n[None, :], N_BLOCK), axis=1)
+    path = tl.where(at < N_BLOCK, at, leaf)  # past the leaf's depth: the leaf again
+    pok = lv < P
+    tl.store(path_ptr + b * P + lv, path, mask=pok)
+    tl.store(k_ptr + b, k)
+    tl.store(emit_ptr + b * P + lv, tl.load(choice_ptr + row + path, mask=pok, other=0), mask=pok)
+
+
+def tree_accept(tokens, parent, depth, anc, choice, max_path):
+    """layers.tree_accept in one launch: a program per request."""
+    import torch
+
+    B, N = tokens.shape
+    tokens, parent, depth, choice = (x.contiguous() for x in (tokens, parent, depth, choice))
+    path, emitted = (torch.empty(B, max_path, dtype=torch.long, device=tokens.device) for _ in range(2))
+    k = torch.empty(B, dtype=torch.long, device=tokens.device)
+    _tree_accept_kernel[(B,)](tokens, parent, depth, anc.contiguous().view(torch.uint8), choice, path, k, emitted,
+                              N, max_path, N_BLOCK=triton.next_power_of_2(N),
+                              P_BLOCK=triton.next_power_of_2(max_path), num_warps=4)
+    return path, k, emitted
 
 
 @triton.jit

@@ -30,6 +30,7 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
     # a round's tree bookkeeping: the growth step and the selection (the GPU's tree shape, ties too)
     assert any(l.startswith("PASS") and "tree_grow" in l and "k=10 depth=5" in l for l in lines)
     assert any(l.startswith("PASS") and "tree_select" in l and "k=10 depth=5 N=60" in l for l in lines)
+    assert any(l.startswith("PASS") and "tree_accept" in l and "k=10 depth=5 N=60" in l for l in lines)
     skinny = [l for l in lines if "skinny linear" in l]  # every config, both dtypes, split-K and both activations
     assert all(any(w in l for l in skinny) for w in ("bfloat16", "float32", "act=silu", "act=gelu", "bias=True"))
     assert any("/2" in l.split("configs")[1] for l in skinny if "bfloat16" in l)  # K split in 2, both dtypes

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from plugins.layers import KV_BLOCK, tree_grow, tree_select
+from plugins.layers import KV_BLOCK, tree_accept, tree_grow, tree_select
 
 from ..models.model import Span
 from .tree import Tree, TreeConfig, causal
@@ -98,15 +98,4 @@ def accept(tree: Tree, argmax: torch.Tensor, max_path: int):
     """Acceptance per request (greedy, or sampled with `argmax` the target's draws: speculative/sampling.py): path
     [B, max_path] (tree indices by depth, padded with the leaf), accepted draft tokens k [B], emitted [B, max_path]
     (valid up to index k)."""
-    return _accept(tree.tokens, tree.parent, tree.depth, tree.anc, argmax, _arange(max_path, argmax.device))
-
-
-def _accept(tokens, parent, depth, anc, argmax, levels):
-    B, N = tokens.shape
-    ok = (tokens == argmax.gather(1, parent)) | (depth == 0)
-    path_ok = ~(anc & ~ok[:, None, :]).any(2)
-    leaf = torch.where(path_ok, depth, -1).argmax(1)  # [B]
-    leaf_anc = anc.gather(1, leaf[:, None, None].expand(B, 1, N))  # [B, 1, N]
-    on_path = leaf_anc & (depth[:, None, :] == levels[None, :, None])  # [B, max_path, N]
-    path = torch.where(on_path.any(2), on_path.float().argmax(2), leaf[:, None])
-    return path, depth.gather(1, leaf[:, None])[:, 0], argmax.gather(1, path)
+    return tree_accept(tree.tokens, tree.parent, tree.depth, tree.anc, argmax, max_path)
