@@ -248,8 +248,8 @@ def check_tree_select(dev, g, B: int, k: int, depth: int, N: int) -> float:
 def check_tree_accept(dev, g, B: int, k: int, depth: int, N: int) -> float:
     """tree_accept on trees tree_select made from random pools, against choices that make a random node's whole
     path right (and, in some requests, a sibling of equal token and depth: the first of equals is the leaf), others
-    random; the last request all wrong where there are two or more (only the root accepted). Exactly the reference's path, k and emitted.
-    Error 0 or 1."""
+    random; where there are two or more requests the last is all wrong (only the root accepted). Exactly the
+    reference's path, k and emitted. Error 0 or 1."""
     P = k + depth * k * k
     score, best = tree_pool(g, B, k, depth, lambda shape: -torch.rand(*shape, generator=g) * 6)
     tok = torch.randint(0, 8, (B, P), generator=g)  # few distinct ids: siblings often share one

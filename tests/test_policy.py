@@ -185,7 +185,8 @@ def test_overlapped_plain_steps_are_timed(engine_dir, random_draft_dir):
     # every decode step of both requests timed (the last one's dropped row too: a step ran), and as a plain step
     assert len(seen) >= 2 * (CASES[0][2] - 1)
     assert {(shape, rows) for shape, rows, _ in seen} == {(0, 1)}
-    assert all(0 < seconds < idle for _, _, seconds in seen), [round(x, 3) for _, _, x in seen]  # the second request's first not from the first's end
+    # the second request's first step is not timed from the first request's end
+    assert all(0 < seconds < idle for _, _, seconds in seen), [round(x, 3) for _, _, x in seen]
     assert costs(0, 1) != 1.0  # the calibration corrected
 
 
