@@ -402,7 +402,8 @@ def tree_select(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, best
 
 
 @functools.cache
-def _levels(n: int, dev: torch.device) -> torch.Tensor:
+def arange_once(n: int, dev: torch.device) -> torch.Tensor:
+    """torch.arange(n) on dev, made once (a CUDA graph replays it without a kernel each)."""
     return torch.arange(n, device=dev)
 
 
@@ -418,7 +419,7 @@ def tree_accept(tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
     if fast(tokens, choice) and N <= TREE_NODES_MAX:
         from .triton_layers import tree_accept as kernel
         return kernel(tokens, parent, depth, anc, choice, max_path)
-    levels = _levels(max_path, tokens.device)
+    levels = arange_once(max_path, tokens.device)
     ok = (tokens == choice.gather(1, parent)) | (depth == 0)
     path_ok = ~(anc & ~ok[:, None, :]).any(2)
     leaf = torch.where(path_ok, depth, -1).argmax(1)  # [B]

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from plugins.layers import KV_BLOCK, tree_accept, tree_grow, tree_select
+from plugins.layers import KV_BLOCK, arange_once, tree_accept, tree_grow, tree_select
 
 from ..models.model import Span
 from .tree import Tree, TreeConfig, causal
@@ -37,11 +37,6 @@ def _constants(cfg: TreeConfig, dev: torch.device) -> dict:
         # draft-cache slot offset and position offset of every expansion step's k rows, [depth, 1, k]
         step_slots=torch.arange(depth * k, device=dev).view(depth, 1, k),
         step_pos=torch.arange(depth, device=dev).view(depth, 1, 1).expand(depth, 1, k).contiguous())
-
-
-@functools.cache
-def _arange(n: int, dev: torch.device) -> torch.Tensor:
-    return torch.arange(n, device=dev)
 
 
 @functools.cache
@@ -88,7 +83,7 @@ def draft_trees(draft, cache, heads, h_last, root, n, table, S: int, cfg: TreeCo
 def verify(target, cache, tree: Tree, n, table, S: int):
     """One target pass over every request's tree -> hidden [B, N, d], logits [B, N, V]."""
     B, N = tree.tokens.shape
-    slots = n[:, None] + _arange(N, n.device)
+    slots = n[:, None] + arange_once(N, n.device)
     h = target(tree.tokens.flatten(), (n[:, None] + tree.depth).flatten(), slots.flatten(),
                Span(n, tree.anc, S, table), cache=cache)
     return h.view(B, N, -1), target.logits(h).view(B, N, -1)
