@@ -4,7 +4,8 @@ flushed before each, as they run inside a round:
   against the kernel;
 - tree_accept of B such trees (max path 7): the torch reference against the kernel;
 - the vocabulary top-k over rows of 151,936 logits (k = 3: K_ver / k_tree / K_pre): torch.topk, the grouped
-  selection that vocab_top replaced at `2d7fa1d` (the before arm, kept here only), and vocab_top; torch.argmax beside.
+  selection that vocab_top replaced at `2d7fa1d` (the before arm, kept here only), and vocab_top; torch.argmax beside
+  layers.vocab_argmax (vocab_top at k = 1), which replaced it for greedy decoding.
 `python -m plugins.check_layers --only tree_select tree_accept "vocab top-k"` checks each against its reference first.
 
     python benchmarks/gpu_round_kernels_ab.py [--batches 1,16,64] [--rows 1,60,64,256,480]
@@ -63,14 +64,16 @@ def main() -> None:
                     times.append(layers._replay_us(fn, flush))
         print(f"| {B} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
     V, kk = 151936, 3
-    print(f"\n| rows x {V} (bf16), k = {kk} | torch.topk us | grouped (before) us | vocab_top us | torch.argmax us |"
-          "\n|---|---:|---:|---:|---:|")
+    print(f"\n| rows x {V} (bf16), k = {kk} | torch.topk us | grouped (before) us | vocab_top us | torch.argmax us "
+          "| vocab_argmax us |\n|---|---:|---:|---:|---:|---:|")
     for T in [int(x) for x in a.rows.split(",")]:
         x = torch.randn(T, V, device="cuda", dtype=torch.bfloat16)
         ref, before, new = x.topk(kk, -1), grouped_topk(x, kk), layers.vocab_topk(x, kk)
         assert torch.equal(ref.values, new[0]) and torch.equal(before[0], new[0]), "values differ"
+        assert torch.equal(layers.vocab_argmax(x), x.argmax(-1)), "argmax differs"
         times = [layers._replay_us(fn, flush) for fn in (lambda: x.topk(kk, -1), lambda: grouped_topk(x, kk),
-                                                          lambda: layers.vocab_topk(x, kk), lambda: x.argmax(-1))]
+                                                          lambda: layers.vocab_topk(x, kk), lambda: x.argmax(-1),
+                                                          lambda: layers.vocab_argmax(x))]
         print(f"| {T} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
 
 

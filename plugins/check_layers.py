@@ -81,9 +81,10 @@ def check_act(dev, dtype, g, inter: int) -> float:
 
 
 def check_topk(dev, dtype, g, T: int, V: int, k: int) -> float:
-    """vocab_topk's fast path against torch.topk: the same values, ids that hold them, and among equal values the
-    lower id first (so the first id is torch.argmax's). Rows with ties at the top across chunks, a row whose top k
-    are its last ids (the last, shorter chunk), a row where every id ties, a NaN (ranked as -inf). Error 0 or 1."""
+    """vocab_topk's fast path against torch.topk, and vocab_argmax's against torch.argmax: the same values, ids
+    that hold them, and among equal values the lower id first (so the first id is torch.argmax's). Rows with ties
+    at the top across chunks, a row whose top k are its last ids (the last, shorter chunk), a row where every id
+    ties, a NaN (ranked as -inf). Error 0 or 1."""
     x = torch.randn(T, V, generator=g).to(dev, dtype)
     x[0, [V - 1, V // 2, 3]] = 9.0  # a tie at the top: the first chunk, a middle one, the last one
     x[-1, V - k:] = 8.0
@@ -93,11 +94,13 @@ def check_topk(dev, dtype, g, T: int, V: int, k: int) -> float:
         x[2, 5] = float("nan")
     with layers.path(True):
         v1, i1 = layers.vocab_topk(x, k)
+        top1 = layers.vocab_argmax(x)
     x = x.nan_to_num(float("-inf"))  # (torch.topk ranks NaN first)
     v2 = x.topk(k, -1).values
     same = torch.equal(v1, v2) and torch.equal(x.gather(1, i1), v1) and bool(((0 <= i1) & (i1 < V)).all())
     tie_order = bool(((v1[:, 1:] < v1[:, :-1]) | (i1[:, 1:] > i1[:, :-1])).all())
-    return 0.0 if same and tie_order and torch.equal(i1[:, 0], x.argmax(-1)) else 1.0
+    argmax = x.argmax(-1)
+    return 0.0 if same and tie_order and torch.equal(i1[:, 0], argmax) and torch.equal(top1, argmax) else 1.0
 
 
 def check_move(dev, dtype, g, L: int, KV: int, D: int, P: int) -> float:

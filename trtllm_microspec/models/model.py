@@ -320,7 +320,7 @@ class Transformer(nn.Module):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The id of each row's largest logit [T]."""
-        return logits.argmax(-1) if parallel.world() == 1 else parallel.argmax(logits, self.vocab_start)
+        return layers.vocab_argmax(logits) if parallel.world() == 1 else parallel.argmax(logits, self.vocab_start)
 
     def topk(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """The ids of each row's k largest logits [T, k], largest first."""
