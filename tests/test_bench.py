@@ -562,3 +562,32 @@ def test_single_request_warmup_runs_every_measured_turn_once(engine_dir, tmp_pat
     assert len(turns) == 4 and turns[0] == turns[2] and turns[1] == turns[3], turns
     res = json.loads((tmp_path / "results.json").read_text())
     assert len(res["runs"]["ar"]["turns"]) == 2
+
+
+@pytest.mark.parametrize("settles", [True, False])
+def test_warmup_passes_until_no_graph_is_new(engine_dir, tmp_path, monkeypatch, settles):
+    """Under `auto` a warm-up pass can meet CUDA-graph keys the one before did not (the policy's choices follow its
+    state): the unmeasured passes repeat until one meets no first use (at most WARM_PASSES), and first uses left in
+    the measured pass are counted in the run and named in the notes. The CPU has no graphs: first uses are faked
+    here as one per conversation turn, in the first pass only (settles: a second pass meets none) or for ever."""
+    from trtllm_microspec.bench.specbench import WARM_PASSES
+    from trtllm_microspec.llm import LLM
+
+    turns = []
+    generate = LLM.generate
+
+    def spy(self, prompt, max_new_tokens, *args, **kw):
+        if not isinstance(prompt, str):
+            turns.append(prompt)
+        return generate(self, prompt, max_new_tokens, *args, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    monkeypatch.setattr(LLM, "graph_first_uses", lambda self: min(len(turns), 2) if settles else len(turns))
+    main(["bench", "--engine", str(engine_dir), "--device", "cpu", "--categories", "mt_bench", "--limit", "1",
+          "--max-new-tokens", "3", "--warmup", "1", "--methods", "ar", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    passes = 2 if settles else WARM_PASSES
+    assert len(turns) == 2 * (passes + 1)  # two turns a pass, the measured pass last
+    assert res["runs"]["ar"]["warm"] == {"passes": passes, "graph_first_uses": 0 if settles else 2}
+    note = "ar: 2 CUDA-graph first uses (an eager step or a capture) in the measured pass"
+    assert (note in (tmp_path / "results.md").read_text()) != settles

@@ -264,6 +264,12 @@ class LLM:
                 yield text[len(sent):], pending
         return self.result(req)
 
+    def graph_first_uses(self) -> int:
+        """How many steps so far ran a CUDA-graph key's first use (its eager run or its capture) instead of a
+        replay: a measurement meant for the steady state should see none (0 without graphs)."""
+        graphs = self._scheduler and self._scheduler.runner.graphs
+        return graphs.first_uses if graphs else 0
+
     def scheduler(self):
         """The batched engine (in-flight batching over a paged KV pool), made on first use."""
         if self._scheduler is None:

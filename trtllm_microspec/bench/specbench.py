@@ -33,6 +33,7 @@ CATEGORIES = SPEC_BENCH + ("code",)
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 WINDOWS = ("microspec", "microspec-paper")  # the W_max sweep's methods: the filled window and the paper's
 WARMUP_TOKENS = 64  # warm-up only has to touch every kernel and allocation once, not generate a full answer
+WARM_PASSES = 3  # unmeasured passes over the measured turns at most, until one meets no new CUDA-graph key
 
 
 # Spec-Bench's question.jsonl (Apache-2.0) and HumanEval (MIT) ship inside the package, with their licences
@@ -110,20 +111,30 @@ def timed(model, messages, max_new_tokens: int, cuda: bool, sampling: dict):
     return r, time.perf_counter() - t0
 
 
-def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -> tuple[list[dict], dict]:
-    """Per turn: a record of its stats and timing; also the token ids per (qid, turn) for the comparisons."""
+def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -> tuple[list[dict], dict, dict]:
+    """Per turn: a record of its stats and timing; also the token ids per (qid, turn) for the comparisons, and how
+    the steady state was reached (`warm`: unmeasured passes, CUDA-graph first uses left in the measured one)."""
     cuda = model.device.type == "cuda"
     first = questions[0]["turns"][0]
     log(f"{label}: {a.warmup} warm-up requests")
     for _ in range(a.warmup):  # sampled like the measured requests: sampling runs its own CUDA graphs
         model.generate(first, min(a.max_new_tokens, WARMUP_TOKENS), chat=True, **sampling)
-    if a.warmup:  # every measured turn once, unmeasured, as --concurrency runs its pass once: the steady state is
-        # measured, each CUDA graph of the (shape, KV-span bucket) keys the turns meet captured (vLLM captures its own
-        # at start-up, outside its measurement; here a key's first use costs an eager step and a capture: on the
-        # H200 18-60 ms each, up to 18 of them in one 128-token turn of ~0.2 s under --spec-policy auto), and no
-        # first-time cost of a prompt shape (kernel compiles, attention plans) falls on whichever method runs first
+    uses = getattr(model, "graph_first_uses", lambda: 0)  # vLLM captures its graphs at start-up
+    passes = 0
+    while a.warmup and passes < WARM_PASSES:  # every measured turn, unmeasured, until a pass meets no new graph
+        # key: the steady state is measured. vLLM captures its graphs at start-up, outside its measurement; here a
+        # key's first use costs an eager step and a capture (on the H200 18-60 ms each, where a step takes 2-4).
+        # One pass captures all that `fixed` meets, but under `auto` the keys (tree shape, KV-span bucket, catch-up
+        # or not) follow the policy's choices, which follow its state: a second pass can meet keys the first did
+        # not. No first-time cost of a prompt shape (kernel compiles, attention plans) falls on the first method.
+        before = uses()
         converse(model, questions, a, cuda, sampling)
-    return converse(model, questions, a, cuda, sampling, label)
+        passes += 1
+        if uses() == before:
+            break
+    before = uses()
+    records, ids = converse(model, questions, a, cuda, sampling, label)
+    return records, ids, {"passes": passes, "graph_first_uses": uses() - before}
 
 
 def converse(model, questions: list[dict], a, cuda: bool, sampling: dict, label: str | None = None):
@@ -482,7 +493,11 @@ def cmd_bench(a) -> None:
         log(f"run {i}/{len(runs)} {label}: loading the model")
         model = make_model(a, run)
         t0 = time.perf_counter()
-        records, ids = ([], {}) if a.batched_only else run_questions(model, questions, a, label, sampling)
+        records, ids, warm = ([], {}, None) if a.batched_only else run_questions(model, questions, a, label, sampling)
+        if warm and warm["graph_first_uses"]:
+            res["notes"].append(f"{label}: {warm['graph_first_uses']} CUDA-graph first uses (an eager step or a "
+                                f"capture) in the measured pass, after {warm['passes']} unmeasured passes: not "
+                                f"quite the steady state")
         if run["method"] == "ar":
             ar_ids = ids
             res["device"] = str(model.device)
@@ -510,7 +525,7 @@ def cmd_bench(a) -> None:
         else:
             log(f"{label}: done ({time.perf_counter() - t0:.0f} s)")
         res["runs"][label] = {**run, "lossless": None if sampling or not records else not mism, "mismatches": mism,
-                              "summary": summary, "turns": records, "batched": batched}
+                              "summary": summary, "turns": records, "batched": batched, "warm": warm}
         if parallel.rank() == 0:  # under --tp every rank measures the same run; rank 0 reports it
             write(res, out)  # after every run, so that an interrupted benchmark still leaves what it measured
     if parallel.rank() == 0:
@@ -599,9 +614,10 @@ def register(sub) -> None:
     p.add_argument("--categories", type=_names, default=list(CATEGORIES), help=f"comma list of {', '.join(CATEGORIES)}")
     p.add_argument("--limit", type=int, help="questions per category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method, then every measured turn "
-                   "once, unmeasured (the steady state: CUDA graphs captured); with --concurrency, one unmeasured pass "
-                   "of the batch per level (0: none)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per method, then every measured turn, "
+                   f"unmeasured, until a pass meets no new CUDA graph (at most {WARM_PASSES} passes: the steady state is "
+                   "measured; the notes count any first use left); with --concurrency, one unmeasured pass of the batch "
+                   "per level (0: none)")
     p.add_argument("--frspec-k", type=_ints, default=[], help="FR-Spec sweep: comma list of vocabulary sizes")
     p.add_argument("--w-max-sweep", type=_ints, default=[], help="MicroSpec sweep: comma list of W_max (Fig. 6), "
                    "for each of microspec and microspec-paper in --methods (microspec if neither)")

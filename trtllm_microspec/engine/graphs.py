@@ -19,6 +19,7 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()  # phases run one at a time: they share one memory pool
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.rounds_seen: dict[int, int] = {}
+        self.first_uses = 0  # calls that did not replay (a key's eager run, then its capture): not the steady state
 
     def begin_round(self, bucket: Hashable) -> None:
         self.rounds_seen[bucket] = self.rounds_seen.get(bucket, 0) + 1
@@ -27,6 +28,7 @@ class GraphRunner:
         key = (name, bucket)
         g = self.graphs.get(key)
         if g is None:
+            self.first_uses += 1
             if self.rounds_seen[bucket] < 2:
                 fn()
                 return
