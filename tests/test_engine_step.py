@@ -240,3 +240,18 @@ def test_kv_budget_counts_the_prompt_rows(engine_dir, random_draft_dir):
         + r.prompt_rows.nbytes
     assert allocated == r.blocks.num_blocks * r.block_bytes
     assert budget * GIB - r.block_bytes < allocated <= budget * GIB
+
+
+def test_speculative_engine_budgets_its_steps_as_ars(engine_dir, random_draft_dir):
+    """The default token budget is AR's for every method: a speculative engine whose requests decode plainly packs
+    its prompt chunks as AR's does. (It once grew to max_batch x the tree's rows -- 15,360 at 256 requests and 60
+    tokens, where AR's is 8,192 -- so its plain steps carried prompt chunks of ~1.9x AR's rows.) Here 100 slots x the
+    CPU's 12-token tree would have made 1,200 of the CPU's 1,024; an explicit budget stays the caller's."""
+    ar = LLM(engine_dir, "ar", device="cpu", max_batch=100)
+    spec = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=100)
+    assert spec.tree.total_tokens * 100 > 1024
+    assert spec.scheduler().max_num_tokens == ar.scheduler().max_num_tokens == 1024
+    big = LLM(engine_dir, "ar", device="cpu", max_batch=2000)
+    assert big.scheduler().max_num_tokens == 2000  # at least a row for every running request
+    own = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=4, max_num_tokens=48)
+    assert own.scheduler().max_num_tokens == 48

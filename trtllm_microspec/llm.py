@@ -122,9 +122,10 @@ class LLM:
         """depth / top_k / total_tokens left None: the device's tree (speculative.tree.tree_for: depth 3, top-k 4,
         12 tokens on a CPU; depth 5, top-k 10, 60 tokens on a GPU). max_batch: most requests decoded together
         (None: 256 on CUDA, 16 on the CPU); max_num_tokens: the batched engine's tokens of target work per step,
-        prompt chunks and decode rows together (None: 8192 on CUDA, 1024 on the CPU, at least max_batch x the rows
-        a request decodes in a step). spec_policy: auto (the batched engine picks each step's tree, plain decoding
-        included, from the step's measured cost and the requests' acceptance: engine/policy.py) or fixed (always
+        prompt chunks and plain decode rows together, a tree's rows taking from the prompts' share (None: 8192 on
+        CUDA, 1024 on the CPU, at least max_batch; the same for every method). spec_policy: auto (the batched engine
+        picks each step's tree, plain decoding included, from the step's measured cost and the requests'
+        acceptance: engine/policy.py) or fixed (always
         the configured tree). overlap: the batched engine schedules and launches an AR step (a speculative method's
         plain step) while the one before runs on the GPU, reading its tokens one step late (engine/scheduler.py;
         None: DEFAULT_OVERLAP, on).

@@ -117,7 +117,7 @@ class BatchRunner:
 
     def __init__(self, target: Transformer, max_batch: int, kv_memory: float | None = None,
                  cuda_graphs: bool = False, draft_cfg: ModelConfig | None = None, reserve: int = 1,
-                 max_num_tokens: int | None = None, decode_rows: int = 1, slot_bytes: int = 0,
+                 max_num_tokens: int | None = None, slot_bytes: int = 0,
                  prefix_cache: bool = False):
         """slot_bytes: bytes a caller keeps per pool slot beside the KV (SpecRunner.prompt_rows), so the
         pool's budget counts them. prefix_cache: a joining request takes the KV of its prompt's start from the blocks
@@ -127,11 +127,15 @@ class BatchRunner:
         self.target, self.max_batch, self.device = target, max_batch, dev
         self.stop_ids = list(c.eos_ids)
         self.reserve = reserve  # slots a step writes past the committed length
-        self.decode_rows = decode_rows  # target rows a running request adds to a step (AR 1, a tree its tokens)
-        self.max_num_tokens = max_num_tokens or max(DEFAULT_MAX_NUM_TOKENS[dev.type], max_batch * decode_rows)
-        if self.max_num_tokens < max_batch * decode_rows:
-            raise UserError(f"max_num_tokens {self.max_num_tokens} is below max_batch {max_batch} x {decode_rows} "
-                            f"(the rows every running request decodes in a step): raise it or lower max_batch")
+        # the step's token budget: prompt chunks and plain decode rows, AR's and a speculative method's alike. A
+        # tree's round is a pass of its own (its requests' trees, max_batch x the tree's rows at most): it takes
+        # the budget from that step's prompt chunks (Scheduler) but never raises it, so that a speculative engine
+        # whose requests decode plainly packs its prompts as AR's does (a budget of max_batch x 60 rows let its
+        # steps carry 15,360 prompt rows at 256 requests where AR's carry 8,192: ITL p99 79.5 vs 44.2 ms, H100)
+        self.max_num_tokens = max_num_tokens or max(DEFAULT_MAX_NUM_TOKENS[dev.type], max_batch)
+        if self.max_num_tokens < max_batch:
+            raise UserError(f"max_num_tokens {self.max_num_tokens} is below max_batch {max_batch} (every running "
+                            f"request decodes a row each step): raise it or lower max_batch")
         kv_memory = kv_memory or DEFAULT_KV_MEMORY[dev.type]
         # a block of the target's pool and, with draft_cfg, of the draft's (SpecRunner: it shares the block ids, one
         # table for both), each in its own KV shape

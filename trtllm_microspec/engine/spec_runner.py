@@ -63,7 +63,7 @@ class SpecRunner(BatchRunner):
         window_pre = isinstance(vocab, Window) and vocab.use_prompt  # it keeps prompt_rows (below)
         super().__init__(target, max_batch, kv_memory, cuda_graphs, draft_cfg=draft.cfg,
                          reserve=max(round_reserve(t) for t in shapes if t),
-                         max_num_tokens=max_num_tokens, decode_rows=tree.total_tokens,
+                         max_num_tokens=max_num_tokens,
                          slot_bytes=(1 + k_pre) * 8 if window_pre else 0)
         self.draft, self.tree, self.k_pre, self.k_ver, self.k_tree = draft, tree, k_pre, k_ver, k_tree
         self.shapes = shapes
