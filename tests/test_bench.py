@@ -212,6 +212,7 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
         assert cells[20].startswith("1: " if cells[0] == "ar" else "8: ") and "," not in cells[20], cells
     # every microspec request speculated (fixed: a tree always pays); the cell says how many decoded as AR's
     assert [b["steps"]["as_ar"] for b in res["runs"]["microspec"]["batched"]] == [0, 0]
+    assert [b["steps"]["graph_first_uses"] for b in res["runs"]["microspec"]["batched"]] == [0, 0]  # no graphs
     from trtllm_microspec.bench.specbench import tree_cell
     assert tree_cell({"tree_sizes": {1: 5, 60: 3}, "as_ar": 2}) == "60: 3, 1: 5; 2 requests as AR's"
 
@@ -591,3 +592,28 @@ def test_warmup_passes_until_no_graph_is_new(engine_dir, tmp_path, monkeypatch, 
     assert res["runs"]["ar"]["warm"] == {"passes": passes, "graph_first_uses": 0 if settles else 2}
     note = "ar: 2 CUDA-graph first uses (an eager step or a capture) in the measured pass"
     assert (note in (tmp_path / "results.md").read_text()) != settles
+
+
+def test_batched_levels_count_graph_first_uses(engine_dir, tmp_path, monkeypatch):
+    """--concurrency: the first uses of CUDA-graph keys in a level's measured pass (after its one unmeasured pass)
+    are counted in its steps and named in the notes. The CPU has no graphs: faked here as one per batch the engine
+    is given, so the measured pass meets one."""
+    from trtllm_microspec.llm import LLM
+
+    batches = []
+    generate = LLM.generate
+
+    def spy(self, prompt, max_new_tokens, *args, **kw):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            batches.append(len(prompt))
+        return generate(self, prompt, max_new_tokens, *args, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    monkeypatch.setattr(LLM, "graph_first_uses", lambda self: len(batches))
+    main(["bench", "--engine", str(engine_dir), "--device", "cpu", "--categories", "translation,code", "--limit", "1",
+          "--max-new-tokens", "3", "--warmup", "1", "--methods", "ar", "--concurrency", "2", "--batched-only",
+          "--out", str(tmp_path)])
+    assert batches == [2, 2]  # the unmeasured pass, then the measured one
+    level, = json.loads((tmp_path / "results.json").read_text())["runs"]["ar"]["batched"]
+    assert level["steps"]["graph_first_uses"] == 1
+    assert "ar at concurrency 2: 1 CUDA-graph first uses" in (tmp_path / "results.md").read_text()

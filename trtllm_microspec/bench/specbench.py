@@ -215,6 +215,7 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             torch.cuda.synchronize()
         if ours:
             model.scheduler().history.clear()  # the record of this pass only
+        uses = model.graph_first_uses() if ours else 0
         t0 = time.perf_counter()
         results = go()
         if cuda:
@@ -231,6 +232,8 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
                 else None
             # requests that decoded as AR's: no tree paid at the batch they joined (SpecRunner._admit)
             s["steps"]["as_ar"] = sum(1 for r in results if r.stats.get("speculative") is False)
+            # steps that met a CUDA-graph key the warm-up pass did not (an eager step or a capture): not steady
+            s["steps"]["graph_first_uses"] = model.graph_first_uses() - uses
         if fallback:
             s["all_at_once"] = True
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
@@ -505,6 +508,11 @@ def cmd_bench(a) -> None:
                 res["static_coverage"] = static_coverage_of(model.engine_dir, ar_ids, questions, res["notes"])
         batched = run_batched(model, questions, a, label, sampling, None if sampling else ar_ids) if a.concurrency \
             else None
+        for level in batched or []:
+            n = level.get("steps", {}).get("graph_first_uses")
+            if n:
+                res["notes"].append(f"{label} at concurrency {level['concurrency']}: {n} CUDA-graph first uses (an "
+                                    f"eager step or a capture) in the measured pass: not quite the steady state")
         if hasattr(model, "close"):  # vLLM frees its process-wide state only when asked
             model.close()
         del model
