@@ -77,8 +77,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, help="most requests decoded together (generate: with --prompts-file; "
                    "serve: per instance); the others wait for a place (default: 256 on CUDA, 16 on the CPU)")
     p.add_argument("--max-num-tokens", type=int, help="tokens of target work per step of the batched engine: prompt "
-                   "chunks and decode rows in one pass (default: 8192 on CUDA, 1024 on the CPU, at least "
-                   "max-batch x the rows a request decodes per step)")
+                   "chunks and decode rows in one pass, a tree's rows taking from the prompts' share (default: 8192 "
+                   "on CUDA, 1024 on the CPU, at least max-batch; the same for every method)")
     p.add_argument("--kv-memory", type=float, help="the KV-cache pool the batch shares, a fraction of free GPU "
                    "memory when <= 1, else GiB (CPU: GiB; default 0.5)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help=OVERLAP_HELP)
