@@ -111,6 +111,17 @@ def timed(model, messages, max_new_tokens: int, cuda: bool, sampling: dict):
     return r, time.perf_counter() - t0
 
 
+def first_uses(model) -> int:
+    """The model's CUDA-graph first uses so far (LLM.graph_first_uses); 0 for an outside reference (vLLM captures its
+    graphs at start-up)."""
+    return getattr(model, "graph_first_uses", lambda: 0)()
+
+
+def first_use_note(where: str, n: int, after: str = "") -> str:
+    return f"{where}: {n} CUDA-graph first uses (an eager step or a capture) in the measured pass{after}: not quite " \
+           f"the steady state"
+
+
 def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -> tuple[list[dict], dict, dict]:
     """Per turn: a record of its stats and timing; also the token ids per (qid, turn) for the comparisons, and how
     the steady state was reached (`warm`: unmeasured passes, CUDA-graph first uses left in the measured one)."""
@@ -119,7 +130,6 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
     log(f"{label}: {a.warmup} warm-up requests")
     for _ in range(a.warmup):  # sampled like the measured requests: sampling runs its own CUDA graphs
         model.generate(first, min(a.max_new_tokens, WARMUP_TOKENS), chat=True, **sampling)
-    uses = getattr(model, "graph_first_uses", lambda: 0)  # vLLM captures its graphs at start-up
     passes = 0
     while a.warmup and passes < WARM_PASSES:  # every measured turn, unmeasured, until a pass meets no new graph
         # key: the steady state is measured. vLLM captures its graphs at start-up, outside its measurement; here a
@@ -127,14 +137,14 @@ def run_questions(model, questions: list[dict], a, label: str, sampling: dict) -
         # One pass captures all that `fixed` meets, but under `auto` the keys (tree shape, KV-span bucket, catch-up
         # or not) follow the policy's choices, which follow its state: a second pass can meet keys the first did
         # not. No first-time cost of a prompt shape (kernel compiles, attention plans) falls on the first method.
-        before = uses()
+        before = first_uses(model)
         converse(model, questions, a, cuda, sampling)
         passes += 1
-        if uses() == before:
+        if first_uses(model) == before:
             break
-    before = uses()
+    before = first_uses(model)
     records, ids = converse(model, questions, a, cuda, sampling, label)
-    return records, ids, {"passes": passes, "graph_first_uses": uses() - before}
+    return records, ids, {"passes": passes, "graph_first_uses": first_uses(model) - before}
 
 
 def converse(model, questions: list[dict], a, cuda: bool, sampling: dict, label: str | None = None):
@@ -215,7 +225,7 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             torch.cuda.synchronize()
         if ours:
             model.scheduler().history.clear()  # the record of this pass only
-        uses = model.graph_first_uses() if ours else 0
+        uses = first_uses(model)
         t0 = time.perf_counter()
         results = go()
         if cuda:
@@ -233,7 +243,7 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             # requests that decoded as AR's: no tree paid at the batch they joined (SpecRunner._admit)
             s["steps"]["as_ar"] = sum(1 for r in results if r.stats.get("speculative") is False)
             # steps that met a CUDA-graph key the warm-up pass did not (an eager step or a capture): not steady
-            s["steps"]["graph_first_uses"] = model.graph_first_uses() - uses
+            s["steps"]["graph_first_uses"] = first_uses(model) - uses
         if fallback:
             s["all_at_once"] = True
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
@@ -498,9 +508,8 @@ def cmd_bench(a) -> None:
         t0 = time.perf_counter()
         records, ids, warm = ([], {}, None) if a.batched_only else run_questions(model, questions, a, label, sampling)
         if warm and warm["graph_first_uses"]:
-            res["notes"].append(f"{label}: {warm['graph_first_uses']} CUDA-graph first uses (an eager step or a "
-                                f"capture) in the measured pass, after {warm['passes']} unmeasured passes: not "
-                                f"quite the steady state")
+            res["notes"].append(first_use_note(label, warm["graph_first_uses"],
+                                               f", after {warm['passes']} unmeasured passes"))
         if run["method"] == "ar":
             ar_ids = ids
             res["device"] = str(model.device)
@@ -511,8 +520,7 @@ def cmd_bench(a) -> None:
         for level in batched or []:
             n = level.get("steps", {}).get("graph_first_uses")
             if n:
-                res["notes"].append(f"{label} at concurrency {level['concurrency']}: {n} CUDA-graph first uses (an "
-                                    f"eager step or a capture) in the measured pass: not quite the steady state")
+                res["notes"].append(first_use_note(f"{label} at concurrency {level['concurrency']}", n))
         if hasattr(model, "close"):  # vLLM frees its process-wide state only when asked
             model.close()
         del model
