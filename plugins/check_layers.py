@@ -443,10 +443,11 @@ def check_attention(dev, dtype, g, H: int, KV: int, D: int, T: int, n: int, S: i
 
 
 def check_paged_attention(dev, dtype, g, H: int, KV: int, D: int, B: int, T: int, S: int, window: int,
-                          kind: str) -> float:
+                          kind: str, plan=None) -> float:
     """B requests of T rows each, every one with its own committed length n (0 .. S - T) and new-slot mask, its
     slots scattered over a shared pool by a random block table. Both paths (Triton and the batched reference)
-    against a float64 attention of each request alone over its own contiguous keys."""
+    against a float64 attention of each request alone over its own contiguous keys. plan: the kernel alone with
+    this plan (a decode plan layers.attention_choice may pick) instead of both paths."""
     from .layers import KV_BLOCK
 
     blocks = -(-S // KV_BLOCK)
@@ -472,7 +473,11 @@ def check_paged_attention(dev, dtype, g, H: int, KV: int, D: int, B: int, T: int
     # each row at the position of its own new slot, so windows cut inside the committed keys
     q_pos = torch.cat([pos_log[b, n[b] + torch.arange(T)] for b in range(B)]).to(dev)
     span = Span(n.to(dev), new.to(dev), S, table.to(dev))
-    got, ref_b = both(lambda: layers.attention(q, k, v, span, q_pos, k_pos, window, D ** -0.5))
+    if plan is not None:
+        from .triton_layers import attention as kernel_attention
+        got = ref_b = kernel_attention(q, k, v, span, q_pos, k_pos, window, D ** -0.5, plan)
+    else:
+        got, ref_b = both(lambda: layers.attention(q, k, v, span, q_pos, k_pos, window, D ** -0.5))
     err = 0.0
     for b in range(B):
         rows = slice(b * T, (b + 1) * T)
@@ -855,6 +860,13 @@ def cases(dev: str, big: bool, g):
                 yield (f"paged attention {kind} B={B} T={T} S={S} window={w} H={H}/{KV} D={D} {dn}", tol,
                        lambda H=H, KV=KV, D=D, B=B, T=T, S=S, w=w, kind=kind:
                        check_paged_attention(dev, dtype, g, H, KV, D, B, T, S, w, kind))
+        # the decode plans attention_choice measures for big batches (the kernel alone, each plan)
+        from .triton_layers import DECODE_PLANS
+        B, S = (8, 600) if big else (3, 70)
+        for plan in DECODE_PLANS:
+            yield (f"paged attention decode B={B} S={S} plan={plan} H={shapes[0][0]}/{shapes[0][1]} {dn}", tol,
+                   lambda B=B, S=S, plan=plan: check_paged_attention(dev, dtype, g, *shapes[0], B, 1, S, 0, "causal",
+                                                                     plan))
         # (chunks (n, T), decodes, S, window): chunks of their own lengths, long ones (>= LONG_ROWS) among them
         packed = [([(0, 600), (300, 40)], 70, 1024, 0), ([(900, 100)], 200, 1024, 0),
                   ([(0, 512), (512, 512), (100, 37), (0, 1), (700, 600), (30, 129)] + [(64 * i, 64) for i in range(8)],

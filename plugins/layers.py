@@ -256,7 +256,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spa
                           for part, qp, pp in zip(span.parts, q.split(rows), q_pos.split(rows))])
     if fast(q, k_cache, v_cache) and (_FORCE or span.new.shape[1] < LONG_ROWS):  # checks force every span
         from .triton_layers import attention as kernel
-        return kernel(q, k_cache, v_cache, span, q_pos, k_pos, window, scale)
+        return kernel(q, k_cache, v_cache, span, q_pos, k_pos, window, scale,
+                      attention_choice(q, k_cache, v_cache, span, q_pos, k_pos, window, scale))
     B, T = span.new.shape[:2]
     H, D = q.shape[1:]
     slots = span.slot_map()  # each request's own keys, gathered out of the pool: [KV, B, S, D] -> [B, KV, S, D]
@@ -511,9 +512,39 @@ def norm_linear_choice(res, delta, norm_w, eps, offset, w, bias, rope=None) -> d
     return _choice(res, w, bias is not None, kind, ref, kernel, configs if rope is not None else None)
 
 
+def attention_choice(q, k_cache, v_cache, span: Span, q_pos, k_pos, window: int, scale: float) -> tuple | None:
+    """The plan `attention` runs on CUDA: for a decode step of many requests (triton_layers.decode_plans) the
+    fastest of attention_plan's and the candidates, measured on the first eager call of each (heads, requests,
+    span bound) on this very input and kept as linear_choice's are (the choices file); a candidate runs only
+    where >= 3% faster and agreeing with attention_plan's output. None (attention_plan's) everywhere else, under
+    the checks, and inside a capture before a measurement."""
+    from . import triton_layers as tk
+
+    if _FORCE is not None:
+        return None
+    B, T = span.new.shape[:2]
+    H, D = q.shape[1:]
+    KV = k_cache.shape[0]
+    plans = tk.decode_plans(T, H // KV, KV, span.S, D, B)
+    if not plans:
+        return None
+
+    def run(plan=None):
+        return tk.attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan)
+
+    key = (q.device, "attention", H, KV, D, T, B, span.S, q.dtype, window > 0)
+    return _kept(key, lambda: _measure(q, k_cache, run, run, plans, "attention plan"))["config"]
+
+
 def _choice(x, w, has_bias: bool, kind: str | None, ref, kernel, configs=None) -> dict:
     M = x.shape[0]
     key = (x.device, *w.shape, 1 << (M - 1).bit_length(), x.dtype, has_bias, kind)
+    return _kept(key, lambda: _measure(x, w, ref, kernel, configs))
+
+
+def _kept(key: tuple, measure) -> dict:
+    """The choice for key (its device first): this process's, else the choices file's, else measure() -- kept in
+    both -- where it can run (CUDA, not capturing; else {"config": None}, not kept)."""
     got = _LINEAR.get(key)
     if got is None:
         disk = _disk_key(key)
@@ -521,9 +552,9 @@ def _choice(x, w, has_bias: bool, kind: str | None, ref, kernel, configs=None) -
         if got is not None:
             got = _LINEAR[key] = {**got, "config": got["config"] and tuple(got["config"])}
             return got
-        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        if key[0].type != "cuda" or torch.cuda.is_current_stream_capturing():
             return {"config": None}
-        got = _LINEAR[key] = _measure(x, w, ref, kernel, configs)
+        got = _LINEAR[key] = measure()
         if got.pop("measured", False):
             _remember(disk, got)
     return got
@@ -592,17 +623,20 @@ def _remember(disk_key: str, got: dict) -> None:
         warnings.warn(f"linear choices not saved to {path}: {e}")
 
 
-def _measure(x, w, ref, kernel, configs=None) -> dict:
-    """Time ref() (the path without the skinny GEMM) and kernel(config) for each skinny config on this very input,
-    L2 flushed before each replay (a decode step finds its weights cold); a config must also match ref's output.
-    Any failure: ref."""
+def _measure(x, w, ref, kernel, configs=None, what: str = "skinny GEMM") -> dict:
+    """Time ref() (the path without the skinny GEMM; attention: attention_plan's) and kernel(config) for each
+    config (default: the skinny configs of x's rows and w's shape) on this very input, L2 flushed before each
+    replay (a decode step finds its weights cold); a config must also match ref's output. Any failure: ref."""
     from . import triton_layers as tk
 
     res = {"config": None, "torch_us": None, "triton_us": None}
     try:
         props = torch.cuda.get_device_properties(x.device)
         flush = torch.empty(2 * getattr(props, "L2_cache_size", 64 << 20), dtype=torch.uint8, device=x.device)
-        want = ref()
+        want = ref().double()
+        # entries the default leaves non-finite (a graph's padding rows may hold anything) are not compared
+        finite = want.isfinite()
+        want = torch.where(finite, want, 0.0)
         res["torch_us"] = _replay_us(ref, flush)
         tol = 1e-4 if x.dtype == torch.float32 else 1e-2
         for config in configs or tk.skinny_configs(x.shape[0], *w.shape, x.dtype == torch.float32,
@@ -612,21 +646,21 @@ def _measure(x, w, ref, kernel, configs=None) -> dict:
 
             try:
                 got = fn()
-                err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+                err = float(torch.where(finite, got.double() - want, 0.0).norm() / want.norm().clamp_min(1e-30))
                 if not err <= tol:  # NaN included
-                    warnings.warn(f"skinny GEMM {config} differs from cuBLAS by {err:.1e} on {tuple(w.shape)}: skipped")
+                    warnings.warn(f"{what} {config} differs from the default by {err:.1e} on {tuple(w.shape)}: skipped")
                     continue
                 us = _replay_us(fn, flush)
             except Exception as e:  # a config the GPU cannot run (resources): the others still compete
-                warnings.warn(f"skinny GEMM {config} on {tuple(w.shape)} failed: {e}")
+                warnings.warn(f"{what} {config} on {tuple(w.shape)} failed: {e}")
                 continue
             if res["triton_us"] is None or us < res["triton_us"]:
                 res["triton_us"], best = us, config
         if res["triton_us"] is not None and res["triton_us"] < MARGIN * res["torch_us"]:
             res["config"] = best
         res["measured"] = True  # worth keeping for later processes
-    except Exception as e:  # measuring must never break a run: cuBLAS is correct
-        warnings.warn(f"skinny GEMM not measured for {tuple(w.shape)}, using cuBLAS: {e}")
+    except Exception as e:  # measuring must never break a run: the default is correct
+        warnings.warn(f"{what} not measured for {tuple(w.shape)}, using the default: {e}")
         res["config"] = None
     return res
 

@@ -535,8 +535,27 @@ def attention_plan(T: int, G: int, KV: int, S: int, D: int, sms: int = 132, B: i
     return block_m, block_n, max(1, min(triton.cdiv(S, block_n), 3 * sms // programs)), 4
 
 
+# the plans layers.attention_choice measures against attention_plan's for a decode step of many requests
+DECODE_PLANS = ((16, 64, 1, 4), (16, 128, 1, 4), (16, 128, 1, 8), (16, 64, 2, 4), (16, 32, 2, 4))
+
+
+def decode_plans(T: int, G: int, KV: int, S: int, D: int, B: int) -> list[tuple[int, int, int, int]]:
+    """The other plans worth timing for B requests of T rows where attention_plan's is one program per (request,
+    kv head) over the whole span (T = 1 and programs enough to fill the GPU, so no split): its 32-key loop is S / 32
+    dependent steps, each waiting on a block-table load, then a key load. At 256 requests x ~600 slots on an H100
+    that loop took 2.15 ms of a 4.52-ms decode step, where the KV's bytes take ~1.4 ms
+    (benchmarks/h100_timeline_ar256_trace_34ef01f_qwen1.5b.md). The candidates: wider key blocks (fewer steps, more
+    bytes a load), more warps, two splits (twice the programs, half the steps each, plus the combine). [] where
+    attention_plan's stands (trees, draft steps, few requests: bench-kernels --attention chose it there)."""
+    default = attention_plan(T, G, KV, S, D, B=B)
+    if T != 1 or default[2] > 1:
+        return []
+    return [(default[0], *p[1:]) for p in DECODE_PLANS if (default[0], *p[1:]) != default]
+
+
 def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan=None):
-    """plan: attention_plan's tuple, to override it (bench-kernels --attention sweeps it)."""
+    """plan: attention_plan's tuple, to override it (bench-kernels --attention sweeps it; layers.attention_choice
+    picks a measured one for big decode steps)."""
     import torch
 
     from .layers import KV_BLOCK

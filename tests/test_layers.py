@@ -84,3 +84,38 @@ def test_skinny_gemm_builds_for_hopper_with_a_pipelined_k_loop(M, fp32, act, nor
     for config in skinny_configs(M, 1536, 8960, fp32):
         smem, pipelined = build_skinny_for_hopper(M, config, fp32, act, bias=True, norm=norm, rope=rope)
         assert pipelined and smem <= 160 * 1024, (config, smem)
+
+
+def test_attention_choice_only_for_big_decode_steps(tmp_path, monkeypatch):
+    """The decode plans are candidates only where attention_plan runs one program per (request, kv head) over
+    the whole span (T = 1, many requests); a kept choice (the choices file) is what attention then runs; on a
+    CPU nothing is measured and the checks (layers.path) always take attention_plan's."""
+    import torch
+
+    from plugins import layers
+    from plugins import triton_layers as tk
+
+    # qwen2.5-coder-1.5b's heads: 12 q heads over 2 kv heads of 128
+    big = tk.decode_plans(1, 6, 2, 640, 128, 256)
+    assert big and tk.attention_plan(1, 6, 2, 640, 128, B=256) not in big
+    assert tk.attention_plan(1, 6, 2, 640, 128, B=256)[2] == 1  # no split: the regime the candidates are for
+    assert tk.decode_plans(1, 6, 2, 640, 128, 4) == []  # few requests: attention_plan splits the keys
+    assert tk.decode_plans(60, 6, 2, 640, 128, 256) == []  # a tree's rows: bench-kernels --attention's plan
+    monkeypatch.setenv("MICROSPEC_LINEAR_CHOICES", str(tmp_path / "choices.json"))
+    monkeypatch.setattr(layers, "_LINEAR", {})
+    monkeypatch.setattr(layers, "_DISK", None)
+    B, S = 256, 640
+    q, k = torch.randn(B, 12, 128), torch.randn(2, 8, 128)
+    table = torch.zeros(B, S // layers.KV_BLOCK, dtype=torch.long)
+    span = layers.Span(torch.zeros(B, dtype=torch.long), torch.ones(B, 1, 1, dtype=torch.bool), S, table)
+    args = (q, k, k, span, None, None, 0, 0.1)
+    assert layers.attention_choice(*args) is None  # a CPU: not measured, attention_plan's
+    key = layers._disk_key((q.device, "attention", 12, 2, 128, 1, B, S, q.dtype, False))
+    layers._remember(key, {"config": big[0], "torch_us": 80.0, "triton_us": 50.0})
+    monkeypatch.setattr(layers, "_LINEAR", {})
+    monkeypatch.setattr(layers, "_DISK", None)  # a fresh process
+    assert layers.attention_choice(*args) == big[0]
+    with layers.path(True):
+        assert layers.attention_choice(*args) is None
+    small = layers.Span(torch.zeros(4, dtype=torch.long), torch.ones(4, 1, 1, dtype=torch.bool), S, table[:4])
+    assert layers.attention_choice(q[:4], k, k, small, None, None, 0, 0.1) is None

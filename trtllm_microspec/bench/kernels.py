@@ -537,7 +537,8 @@ def layers_ab(a, timer: Timer) -> None:
 # (name, requests, rows each, new slots each, mask) at qwen2.5-1.5b's heads, CONTEXT - 424 = 600 committed slots
 # in a graph bound S = CONTEXT: what a round's attention launches see at one request and under load
 ATTN_CASES = [("AR decode", 1, 1, 1, "causal"), ("draft step", 1, 10, 30, "draft"), ("tree verify", 1, 60, 60, "tree"),
-              ("tree verify, 8 requests", 8, 60, 60, "tree"), ("decode, 64 requests", 64, 1, 1, "causal")]
+              ("tree verify, 8 requests", 8, 60, 60, "tree"), ("decode, 64 requests", 64, 1, 1, "causal"),
+              ("decode, 256 requests", 256, 1, 1, "causal")]  # the last: where layers.attention_choice measures
 
 
 def attention_ab(a, timer: Timer) -> None:
@@ -554,7 +555,7 @@ def attention_ab(a, timer: Timer) -> None:
     S, n0 = CONTEXT, CONTEXT - 424
     g = torch.Generator().manual_seed(0)
     plans = [p for p in itertools.product([16, 32, 64], [32, 64], [1, 2, 4, 8, 16, 32], [2, 4, 8])
-             if not (p[0] == 64 and p[3] == 2)]
+             if not (p[0] == 64 and p[3] == 2)] + list(triton_layers.DECODE_PLANS)
     rows = []
     for name, B, T, m, kind in ATTN_CASES:
         print(f"bench-kernels --attention: {name} ...", flush=True)
