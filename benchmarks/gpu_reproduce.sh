@@ -32,6 +32,10 @@
 #              category, and both over W_max FILL_SWEEP (Fig. 6, Fig. 1b's filled line); runs build-freq if missing
 #   openai     serve --openai-port: the same load through gRPC and the OpenAI endpoint at concurrency 1 and 64
 #              (benchmarks/gpu_openai_overhead.sh; needs the serve extra, nvidia-pytriton and STUB_SITE)
+#   serve-load the server under load beside the offline engine (issue 36): `serve --method microspec` with $HEAD,
+#              the load stage's 240 first turns repeated to 1,000 at 64 and 256 over gRPC and the OpenAI endpoint, then
+#              the offline engine (ar, microspec) on the same requests (benchmarks/gpu_serve_load.sh; needs the
+#              serve extra, nvidia-pytriton and STUB_SITE)
 #   head-ab    draft-head recipes at equal wall time (issue 28): distill KEY's own answers for DISTILL_LIMIT s
 #              into $OUT/head_ab/distilled (kept: a rerun reuses it), then one train-draft per arm of ARMS, each
 #              --time-limit ARM_LIMIT, scored by held-out top-1 at depths 1-5 (the same held-out distilled
@@ -171,6 +175,9 @@ random_head(resolve_engine(sys.argv[1]), sys.argv[2], 16000)" "$KEY" "$OUT/rando
         | grep "tok/s" ;;
     openai)
       OUT="$OUT/openai_$KEY" LEVELS="1 64" bash benchmarks/gpu_openai_overhead.sh "$KEY" "$HEAD" | tail -9 ;;
+    serve-load)
+      OUT="$OUT/serve_load_$KEY" LIMIT="$LOAD_LIMIT" MAX_TOKENS="$TOKENS" bash benchmarks/gpu_serve_load.sh "$KEY" "$HEAD" \
+        | tail -13 ;;
     head-ab)
       AB="$OUT/head_ab"; DIST="$AB/distilled"
       mkdir -p "$AB"
