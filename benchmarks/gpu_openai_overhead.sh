@@ -21,29 +21,13 @@ METHOD=${METHOD:-microspec}
 OUT=${OUT:-/tmp/openai-overhead}
 MAX_BATCH=$(echo $LEVELS | tr ' ' '\n' | sort -n | tail -1)
 
-SERVE_SITE=${SERVE_SITE:-/tmp/serve-site}
-STUB_SITE=${STUB_SITE:-/tmp/stub-site}
-[ -d "$STUB_SITE/numpy" ] || { echo "no numpy for Triton's Python stub in $STUB_SITE"; exit 2; }
-export PYTHONPATH=$SERVE_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
-MS=(python3 -m trtllm_microspec.cli)
 mkdir -p "$OUT"
-
-python3 -c "import torch; print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
-                                 '| torch', torch.__version__)"
-git log -1 --format='commit %h %s' 2>/dev/null || true
-LOG=$OUT/serve.out
+TRITON_LOG=$OUT/tritonserver.log
+source benchmarks/serve_up.sh
 # the queue holds a whole level's requests beyond the batch, so that none is refused
-"${MS[@]}" serve --engine "$ENGINE" "${DRAFT[@]}" --method "$METHOD" --device "$DEVICE" --instance-kind "$KIND" \
-  --stub-site "$STUB_SITE" --max-batch "$MAX_BATCH" --max-queue-size 1024 \
-  --grpc-port "$PORT" --http-port $((PORT - 1)) --metrics-port $((PORT + 1)) --openai-port "$OPENAI_PORT" \
-  --log-file "$OUT/tritonserver.log" >"$LOG" 2>&1 &
-SERVE=$!
-trap 'kill -TERM $SERVE 2>/dev/null && wait $SERVE || true' EXIT
-until grep -q "Ctrl-C" "$LOG"; do
-  kill -0 $SERVE 2>/dev/null || { echo "serve exited:"; tail -n 20 "$LOG" "$OUT/tritonserver.log"; exit 1; }
-  sleep 1
-done
-cat "$LOG"
+serve_up "$OUT/serve.out" --engine "$ENGINE" "${DRAFT[@]}" --method "$METHOD" --device "$DEVICE" --instance-kind "$KIND" \
+  --max-batch "$MAX_BATCH" --max-queue-size 1024 --grpc-port "$PORT" --http-port $((PORT - 1)) \
+  --metrics-port $((PORT + 1)) --openai-port "$OPENAI_PORT" --log-file "$TRITON_LOG"
 
 PROMPTS=(--prompt "Write a short poem about the ocean." --prompt "What is the capital of Australia? Answer briefly."
          --prompt "Explain how a hash map works." --prompt "Give three tips for learning to play the guitar."

@@ -17,30 +17,17 @@ MAX_TOKENS=${MAX_TOKENS:-256}
 CONCURRENCY=${CONCURRENCY:-4}
 REQUESTS=${REQUESTS:-16}
 
-SERVE_SITE=${SERVE_SITE:-/tmp/serve-site}
-STUB_SITE=${STUB_SITE:-/tmp/stub-site}
-[ -d "$STUB_SITE/numpy" ] || { echo "no numpy for Triton's Python stub in $STUB_SITE"; exit 2; }
-export PYTHONPATH=$SERVE_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
-MS=(python3 -m trtllm_microspec.cli)
-
-python3 -c "import torch; print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
-                                 '| torch', torch.__version__)"
 LOG=/tmp/microspec-serve.out
-"${MS[@]}" serve --engine "$ENGINE" "${DRAFT[@]}" --device "$DEVICE" --instance-kind "$KIND" --stub-site "$STUB_SITE" \
-  --grpc-port "$PORT" --http-port $((PORT - 1)) --metrics-port $((PORT + 1)) --log-file /tmp/tritonserver.log \
-  >"$LOG" 2>&1 &
-SERVE=$!
+TRITON_LOG=/tmp/tritonserver.log
+source benchmarks/serve_up.sh
+serve_up "$LOG" --engine "$ENGINE" "${DRAFT[@]}" --device "$DEVICE" --instance-kind "$KIND" --grpc-port "$PORT" \
+  --http-port $((PORT - 1)) --metrics-port $((PORT + 1)) --log-file "$TRITON_LOG"
 stop() {
   kill -TERM $SERVE 2>/dev/null && wait $SERVE || true
   tail -n 1 "$LOG"
   echo "after stop: $(pgrep -fc triton_python_backend_stub || true) stub processes, $(ls /dev/shm | grep -c ^microspec_ || true) shared-memory regions"
 }
 trap stop EXIT
-until grep -q "ready in" "$LOG"; do
-  kill -0 $SERVE 2>/dev/null || { echo "serve exited:"; tail -n 20 /tmp/tritonserver.log; exit 1; }
-  sleep 1
-done
-cat "$LOG"
 
 echo "== one streamed request"
 "${MS[@]}" client --url 127.0.0.1:$PORT --chat --max-tokens "$MAX_TOKENS" \

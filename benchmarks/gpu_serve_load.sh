@@ -27,29 +27,13 @@ OUT=${OUT:-/tmp/serve-load}
 MAX_BATCH=$(echo $LEVELS | tr ',' '\n' | sort -n | tail -1)
 CATS=mt_bench,translation,summarization,qa,math_reasoning,rag
 
-SERVE_SITE=${SERVE_SITE:-/tmp/serve-site}
-STUB_SITE=${STUB_SITE:-/tmp/stub-site}
-[ -d "$STUB_SITE/numpy" ] || { echo "no numpy for Triton's Python stub in $STUB_SITE"; exit 2; }
-export PYTHONPATH=$SERVE_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
-MS=(python3 -m trtllm_microspec.cli)
 mkdir -p "$OUT"
-python3 -c "import torch; print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
-                                 '| torch', torch.__version__)"
-git log -1 --format='commit %h %s' 2>/dev/null || true
-
-LOG=$OUT/serve.out
+TRITON_LOG=$OUT/tritonserver.log
+source benchmarks/serve_up.sh
 # the queue holds a whole level's requests beyond the batch, so that none is refused
-"${MS[@]}" serve --engine "$ENGINE" "${DRAFT[@]}" --method "$METHOD" --device "$DEVICE" --instance-kind "$KIND" \
-  --max-batch "$MAX_BATCH" \
-  --max-queue-size $((REQUESTS + MAX_BATCH)) --stub-site "$STUB_SITE" --grpc-port "$PORT" --http-port $((PORT - 1)) \
-  --metrics-port $((PORT + 1)) --openai-port "$OPENAI_PORT" --log-file "$OUT/tritonserver.log" >"$LOG" 2>&1 &
-SERVE=$!
-trap 'kill -TERM $SERVE 2>/dev/null && wait $SERVE || true' EXIT
-until grep -q "Ctrl-C" "$LOG"; do
-  kill -0 $SERVE 2>/dev/null || { echo "serve exited:"; tail -n 20 "$LOG" "$OUT/tritonserver.log"; exit 1; }
-  sleep 1
-done
-cat "$LOG"
+serve_up "$OUT/serve.out" --engine "$ENGINE" "${DRAFT[@]}" --method "$METHOD" --device "$DEVICE" --instance-kind "$KIND" \
+  --max-batch "$MAX_BATCH" --max-queue-size $((REQUESTS + MAX_BATCH)) --grpc-port "$PORT" --http-port $((PORT - 1)) \
+  --metrics-port $((PORT + 1)) --openai-port "$OPENAI_PORT" --log-file "$TRITON_LOG"
 for api in grpc openai; do
   url=127.0.0.1:$PORT; [ $api = openai ] && url=http://127.0.0.1:$OPENAI_PORT/v1
   "${MS[@]}" bench --server "$url" --concurrency "$LEVELS" --requests "$REQUESTS" --limit "$LIMIT" --categories "$CATS" \
@@ -58,9 +42,8 @@ done
 kill -TERM $SERVE && wait $SERVE || true
 trap - EXIT
 "${MS[@]}" bench --engine "$ENGINE" "${DRAFT[@]}" --device "$DEVICE" --methods "ar,$METHOD" --concurrency "$LEVELS" \
-  --requests "$REQUESTS" \
-  --batched-only --limit "$LIMIT" --categories "$CATS" --max-new-tokens "$MAX_TOKENS" --warmup 1 --out "$OUT/offline" \
-  2>&1 | grep -E "tok/s|rror"
+  --requests "$REQUESTS" --batched-only --limit "$LIMIT" --categories "$CATS" --max-new-tokens "$MAX_TOKENS" --warmup 1 \
+  --out "$OUT/offline" 2>&1 | grep -E "tok/s|rror"
 python3 - "$OUT" "$METHOD" <<'EOF'
 import json, sys
 out, method = sys.argv[1], sys.argv[2]
