@@ -72,6 +72,8 @@ def check_norm(dev, dtype, g, d: int) -> float:
     rows = torch.randn(3, 5, 2 * d, generator=g).to(dev, dtype) * 3
     for x, offset in ((rows[..., :d].contiguous(), 0.0), (rows[..., d:], 1.0)):
         err = max(err, rel(*both(lambda: layers.rms_norm(x, w, 1e-6, offset))))
+    # EAGLE-3's layer input: the embedding and the feature normed side by side ([B, k, d] rows, one strided)
+    err = max(err, rel(*both(lambda: layers.norm_cat(rows[..., :d], rows[..., d:], w, dw, 1e-6))))
     return err
 
 
@@ -826,7 +828,7 @@ def cases(dev: str, big: bool, g):
         tol = TOL[dtype]
         dn = str(dtype).removeprefix("torch.")
         for d in ([576, 640, 1536] if big else [96, 128]):
-            yield f"add_rms_norm and rms_norm d={d} {dn}", tol, lambda d=d: check_norm(dev, dtype, g, d)
+            yield f"add_rms_norm, rms_norm and norm_cat d={d} {dn}", tol, lambda d=d: check_norm(dev, dtype, g, d)
         yield f"act_mul {dn}", tol, lambda: check_act(dev, dtype, g, 8960 if big else 200)
         for H, KV, D in shapes:
             yield (f"rope_cache_write H={H} KV={KV} D={D} {dn}", tol,

@@ -180,6 +180,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> tor
     return (xf * (offset + w.float())).to(x.dtype)
 
 
+def norm_cat(a: torch.Tensor, b: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+    """[rms_norm(a) by wa | rms_norm(b) by wb] over the last dim -> [..., 2 d]: an EAGLE-3 layer's input (the
+    token's embedding and the feature, each normed, side by side). On CUDA one launch where the reference is three
+    (two norms and the cat), in each of a round's six draft-layer calls."""
+    if fast(a, b, wa, wb) and a.dtype == b.dtype and a.shape == b.shape:
+        from .triton_layers import norm_cat as kernel
+        d = a.shape[-1]
+        return kernel(a.reshape(-1, d).contiguous(), b.reshape(-1, d).contiguous(), wa, wb, eps).view(*a.shape[:-1], 2 * d)
+    return torch.cat([rms_norm(a, wa, eps, 0.0), rms_norm(b, wb, eps, 0.0)], -1)
+
+
 def add_rms_norm(res: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float, offset: float,
                  delta_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """res + delta (delta first normed by delta_w: Gemma's post-norms), and the RMSNorm of that sum by w.

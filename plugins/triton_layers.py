@@ -58,6 +58,29 @@ def add_rms_norm(res, delta, w, eps, offset, delta_w=None):
 
 
 @triton.jit
+def _norm_cat_kernel(a_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    """out[row] = [rms_norm(a[row]) * wa | rms_norm(b[row]) * wb], rounded as rms_norm rounds each."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    a = tl.load(a_ptr + row * n_cols + cols, mask=ok, other=0.0)
+    b = tl.load(b_ptr + row * n_cols + cols, mask=ok, other=0.0)
+    out = out_ptr + row * 2 * n_cols + cols
+    tl.store(out, _rms(a.to(tl.float32), wa_ptr, cols, ok, n_cols, eps, 0.0).to(a.dtype), mask=ok)
+    tl.store(out + n_cols, _rms(b.to(tl.float32), wb_ptr, cols, ok, n_cols, eps, 0.0).to(a.dtype), mask=ok)
+
+
+def norm_cat(a, b, wa, wb, eps):
+    import torch
+
+    T, d = a.shape
+    assert a.is_contiguous() and b.is_contiguous() and b.shape == a.shape and b.dtype == a.dtype
+    out = torch.empty(T, 2 * d, dtype=a.dtype, device=a.device)
+    _norm_cat_kernel[(T,)](a, b, wa, wb, out, d, eps, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+    return out
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr,
                        H, KV, stride_pos, stride_slot, stride_kh, stride_ks, eps,
                        D: tl.constexpr, QK_NORM: tl.constexpr):

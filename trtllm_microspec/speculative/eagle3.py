@@ -103,14 +103,14 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps, gemma=False)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor, attn_args) -> torch.Tensor:
-        h = self.hidden_norm(x)
         at, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
-        # the layer runs its projections and the rotation + KV write (Attention takes the rotated q, MLP gate|up),
-        # as models/model.py's Block does
-        qkv = layers.linear(torch.cat([self.input_layernorm(emb), h], -1), at.qkv_proj.weight, at.qkv_proj.bias)
+        # both inputs normed side by side in one launch (both norms take the config's eps); then the layer runs its projections and the rotation + KV
+        # write (Attention takes the rotated q, MLP gate|up), as models/model.py's Block does
+        xin = layers.norm_cat(emb, x, self.input_layernorm.weight, self.hidden_norm.weight, self.hidden_norm.eps)
+        qkv = layers.linear(xin, at.qkv_proj.weight, at.qkv_proj.bias)
         a = at(layers.rope_cache_write(qkv, *at.rope_args(*attn_args)), *attn_args)
-        res, gate_up = layers.norm_linear(h if self.norm_before_residual else x, a, norm.weight, norm.eps,
-                                          norm.offset, mlp.gate_up_proj.weight, None)
+        res = xin[..., x.shape[-1]:].contiguous() if self.norm_before_residual else x  # the normed feature
+        res, gate_up = layers.norm_linear(res, a, norm.weight, norm.eps, norm.offset, mlp.gate_up_proj.weight, None)
         return res + mlp(gate_up)
 
 
