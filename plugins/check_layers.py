@@ -845,8 +845,9 @@ def cases(dev: str, big: bool, g):
                        check_attention(dev, dtype, g, H, KV, D, T, n, S, w, kind))
         # other plans than attention_plan's (the sweep's): splits of the request's own span, more splits than
         # key blocks, one split, every block size
-        plans = [(64, 64, 16, 8), (16, 32, 1, 2), (32, 128, 5, 4), (128, 64, 3, 8)] if big else \
-                [(16, 16, 7, 4), (32, 32, 1, 2), (16, 16, 2, 1)]
+        plans = [(64, 64, 16, 8), (16, 32, 1, 2), (32, 128, 5, 4), (128, 64, 3, 8), (16, 32, 8, 4, True),
+                 (32, 64, 3, 4, True)] if big else \
+                [(16, 16, 7, 4), (32, 32, 1, 2), (16, 16, 2, 1), (16, 16, 7, 4, True), (16, 32, 3, 2, True)]
         for plan in plans:
             T, n, S = (60, 700, 1024) if big else (12, 40, 64)
             yield (f"attention tree T={T} n={n} S={S} plan={plan} H={shapes[0][0]}/{shapes[0][1]} {dn}", tol,
@@ -865,7 +866,7 @@ def cases(dev: str, big: bool, g):
         # the decode plans attention_choice measures for big batches (the kernel alone, each plan)
         from .triton_layers import DECODE_PLANS
         B, S = (8, 600) if big else (3, 70)
-        for plan in DECODE_PLANS:
+        for plan in DECODE_PLANS + tuple((*p, True) for p in DECODE_PLANS if p[2] > 1):
             yield (f"paged attention decode B={B} S={S} plan={plan} H={shapes[0][0]}/{shapes[0][1]} {dn}", tol,
                    lambda B=B, S=S, plan=plan: check_paged_attention(dev, dtype, g, *shapes[0], B, 1, S, 0, "causal",
                                                                      plan))

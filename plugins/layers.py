@@ -524,10 +524,11 @@ def norm_linear_choice(res, delta, norm_w, eps, offset, w, bias, rope=None) -> d
 
 
 def attention_choice(q, k_cache, v_cache, span: Span, q_pos, k_pos, window: int, scale: float) -> tuple | None:
-    """The plan `attention` runs on CUDA: for a decode step of many requests (triton_layers.decode_plans) the
-    fastest of attention_plan's and the candidates, measured on the first eager call of each (heads, requests,
-    span bound) on this very input and kept as linear_choice's are (the choices file); a candidate runs only
-    where >= 3% faster and agreeing with attention_plan's output. None (attention_plan's) everywhere else, under
+    """The plan `attention` runs on CUDA: the fastest of attention_plan's and its candidates
+    (triton_layers.attention_candidates: a split plan in one launch; wider key blocks, more warps or splits for a
+    decode step of many requests), measured on the first eager call of each (heads, rows, requests, span bound)
+    on this very input and kept as linear_choice's are (the choices file); a candidate runs only where >= 3%
+    faster and agreeing with attention_plan's output. None (attention_plan's) where there is no candidate, under
     the checks, and inside a capture before a measurement."""
     from . import triton_layers as tk
 
@@ -536,7 +537,7 @@ def attention_choice(q, k_cache, v_cache, span: Span, q_pos, k_pos, window: int,
     B, T = span.new.shape[:2]
     H, D = q.shape[1:]
     KV = k_cache.shape[0]
-    plans = tk.decode_plans(T, H // KV, KV, span.S, D, B)
+    plans = tk.attention_candidates(T, H // KV, KV, span.S, D, B)
     if not plans:
         return None
 

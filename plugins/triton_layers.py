@@ -477,14 +477,17 @@ def _softmax_step(qk, vis, m_i, l_i, acc, vbase, phys, col_ok, dims, stride_ks, 
 # variant per (== 1, % 16) pattern of each specialised int, and under continuous joins new patterns keep appearing
 @triton.jit(do_not_specialize=["T", "m", "stride_new_b", "stride_new", "stride_qpos", "stride_bt", "S", "n_splits"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr, o_ptr, part_o_ptr, part_ml_ptr,
-                 T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, n_splits, stride_kh,
+                 cnt_ptr, T, H, m, stride_new_b, stride_new, stride_qpos, stride_bt, S, n_splits, stride_kh,
                  stride_ks, window, scale, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 ONE_LAUNCH: tl.constexpr, IEEE: tl.constexpr):
     """One program: BLOCK_M rows (token t, q head kvh*G + g) of request b and one kv head over one split of the
     logical key slots those rows see (the splits divide the request's own span, not the graph's bound S, so no
     program idles on slots past it). Keys visible to row t: slots < n[b], and new slot n[b] + j where new[b, t, j]; within
-    `window` positions if set. Logical slot s is read at physical slot table[b, s // PAGE] * PAGE + s % PAGE."""
+    `window` positions if set. Logical slot s is read at physical slot table[b, s // PAGE] * PAGE + s % PAGE.
+    SPLIT: the programs of one (rows, kv head, request) write unnormalised partials; ONE_LAUNCH: the last of them
+    to finish (its counter in cnt_ptr, an acq_rel atomic, as the skinny GEMM's splits) merges them as
+    _combine_kernel does and resets the counter, so a split attention is one launch; else _combine_kernel merges."""
     pid_m, kvh, pid_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, split = pid_bs // n_splits, pid_bs % n_splits
     t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -522,11 +525,34 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, new_ptr, qpos_ptr, kpos_ptr, n_ptr, bt_ptr
         m_i, l_i, acc = _softmax_step(qk, vis, m_i, l_i, acc, vbase, phys, col_ok, dims, stride_ks, IEEE)
     out = (r * H + head)[:, None] * D + dims[None, :]
     rows_all = tl.num_programs(2) // n_splits * T  # B * T
-    if SPLIT:  # unnormalised partials; the combine kernel merges the splits
+    if SPLIT:  # unnormalised partials; the combine kernel (or the last split: ONE_LAUNCH) merges the splits
         tl.store(part_o_ptr + split * rows_all * H * D + out, acc, mask=row_ok[:, None])
         ml = (split * rows_all * H + r * H + head) * 2
         tl.store(part_ml_ptr + ml, m_i, mask=row_ok)
         tl.store(part_ml_ptr + ml + 1, l_i, mask=row_ok)
+        if ONE_LAUNCH:
+            tl.debug_barrier()  # every thread's partials written before the count says so
+            group = (b * tl.num_programs(1) + kvh) * tl.num_programs(0) + pid_m
+            if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == n_splits - 1:
+                tl.debug_barrier()
+                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for s in range(0, n_splits):
+                    at = (s * rows_all * H + r * H + head) * 2
+                    mx = tl.maximum(mx, tl.load(part_ml_ptr + at, mask=row_ok, other=float("-inf"),
+                                                cache_modifier=".cg"))
+                acc = tl.zeros([BLOCK_M, D], tl.float32)
+                l_i = tl.zeros([BLOCK_M], tl.float32)
+                for s in range(0, n_splits):
+                    at = (s * rows_all * H + r * H + head) * 2
+                    ms = tl.load(part_ml_ptr + at, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    ls = tl.load(part_ml_ptr + at + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    wgt = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - mx))  # an empty split weighs 0
+                    o_s = tl.load(part_o_ptr + s * rows_all * H * D + out, mask=row_ok[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                    acc += o_s * wgt[:, None]
+                    l_i += ls * wgt
+                tl.store(o_ptr + out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.atomic_xchg(cnt_ptr + group, 0)
     else:
         tl.store(o_ptr + out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -562,23 +588,30 @@ def attention_plan(T: int, G: int, KV: int, S: int, D: int, sms: int = 132, B: i
 DECODE_PLANS = ((16, 64, 1, 4), (16, 128, 1, 4), (16, 128, 1, 8), (16, 64, 2, 4), (16, 32, 2, 4))
 
 
-def decode_plans(T: int, G: int, KV: int, S: int, D: int, B: int) -> list[tuple[int, int, int, int]]:
-    """The other plans worth timing for B requests of T rows where attention_plan's is one program per (request,
-    kv head) over the whole span (T = 1 and programs enough to fill the GPU, so no split): its 32-key loop is S / 32
-    dependent steps, each waiting on a block-table load, then a key load. At 256 requests x ~600 slots on an H100
-    that loop took 2.15 ms of a 4.52-ms decode step, where the KV's bytes take ~1.4 ms
-    (benchmarks/h100_timeline_ar256_trace_34ef01f_qwen1.5b.md). The candidates: wider key blocks (fewer steps, more
-    bytes a load), more warps, two splits (twice the programs, half the steps each, plus the combine). [] where
-    attention_plan's stands (trees, draft steps, few requests: bench-kernels --attention chose it there)."""
+def attention_candidates(T: int, G: int, KV: int, S: int, D: int, B: int) -> list[tuple]:
+    """The other plans worth timing against attention_plan's for B requests of T rows (layers.attention_choice):
+    - where attention_plan splits the keys (decode and draft steps, trees, few requests): the same plan in one
+      launch, its last split merging the partials (ONE_LAUNCH) instead of a second, combine, launch (one launch
+      and its gap fewer per layer: 28 of a decode step's ~265 on qwen2.5-coder-1.5b);
+    - where it is one program per (request, kv head) over the whole span (T = 1 and programs enough to fill the
+      GPU, so no split): its 32-key loop is S / 32 dependent steps, each waiting on a block-table load, then a key
+      load. At 256 requests x ~600 slots on an H100 that loop took 2.15 ms of a 4.52-ms decode step, where the
+      KV's bytes take ~1.4 ms (benchmarks/h100_timeline_ar256_trace_34ef01f_qwen1.5b.md). The candidates: wider
+      key blocks (fewer steps, more bytes a load), more warps, two splits (twice the programs, half the steps each;
+      merged by a combine launch or in one launch).
+    A plan is (BLOCK_M, BLOCK_N, splits, warps[, one launch])."""
     default = attention_plan(T, G, KV, S, D, B=B)
-    if T != 1 or default[2] > 1:
+    if default[2] > 1:
+        return [(*default, True)]
+    if T != 1:
         return []
-    return [(default[0], *p[1:]) for p in DECODE_PLANS if (default[0], *p[1:]) != default]
+    plans = [(default[0], *p[1:]) for p in DECODE_PLANS if (default[0], *p[1:]) != default]
+    return plans + [(*p, True) for p in plans if p[2] > 1]
 
 
 def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan=None):
     """plan: attention_plan's tuple, to override it (bench-kernels --attention sweeps it; layers.attention_choice
-    picks a measured one for big decode steps)."""
+    picks a measured one of attention_candidates'); a fifth element True: a split plan in one launch."""
     import torch
 
     from .layers import KV_BLOCK
@@ -590,21 +623,22 @@ def attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan=None)
     B, T, m = new.shape
     assert R == B * T and q.is_contiguous() and new.stride(2) == 1 and k_cache.stride(-1) == 1
     assert k_pos.stride(0) == 1 and table.stride(1) == 1 and span.n.stride(0) == 1
-    block_m, block_n, n_splits, warps = plan or attention_plan(T, G, KV, span.S, D, B=B)
+    block_m, block_n, n_splits, warps, *one = plan or attention_plan(T, G, KV, span.S, D, B=B)
     o = torch.empty_like(q)
     split = n_splits > 1
+    grid = (triton.cdiv(T * G, block_m), KV, B * n_splits)
+    cnt = _counters(q.device) if split and one and one[0] and grid[0] * KV * B <= COUNTERS else None
     if split:
         part_o = torch.empty(n_splits, R, H, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(n_splits, R, H, 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = o
-    grid = (triton.cdiv(T * G, block_m), KV, B * n_splits)
     _attn_kernel[grid](q, k_cache, v_cache, new.view(torch.uint8), q_pos, k_pos, span.n, table, o, part_o, part_ml,
-                       T, H, m, new.stride(0), new.stride(1), q_pos.stride(0), table.stride(0), span.S,
-                       n_splits, k_cache.stride(0), k_cache.stride(1), window, scale,
+                       o if cnt is None else cnt, T, H, m, new.stride(0), new.stride(1), q_pos.stride(0),
+                       table.stride(0), span.S, n_splits, k_cache.stride(0), k_cache.stride(1), window, scale,
                        G=G, D=D, PAGE=KV_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, WINDOW=window > 0,
-                       IEEE=q.dtype == torch.float32, num_warps=warps)
-    if split:
+                       ONE_LAUNCH=cnt is not None, IEEE=q.dtype == torch.float32, num_warps=warps)
+    if split and cnt is None:
         _combine_kernel[(R * H,)](part_o, part_ml, o, R * H, n_splits, NSPLIT=triton.next_power_of_2(n_splits), D=D,
                                   num_warps=1)
     return o
@@ -868,7 +902,8 @@ def rope_fits(config, head_dim: int) -> bool:
     return head_dim % config[0] == 0
 
 
-_COUNTERS: dict = {}  # device -> the split launches' counters, one per column block (int32 zeros; every launch
+_COUNTERS: dict = {}  # device -> the split launches' counters (the skinny GEMM's column blocks, a one-launch
+# attention's (rows, kv head, request) groups), int32 zeros; every launch
 COUNTERS = 1 << 16  # leaves them 0), kept for good: captured CUDA graphs hold their address
 
 

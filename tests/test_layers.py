@@ -86,21 +86,25 @@ def test_skinny_gemm_builds_for_hopper_with_a_pipelined_k_loop(M, fp32, act, nor
         assert pipelined and smem <= 160 * 1024, (config, smem)
 
 
-def test_attention_choice_only_for_big_decode_steps(tmp_path, monkeypatch):
-    """The decode plans are candidates only where attention_plan runs one program per (request, kv head) over
-    the whole span (T = 1, many requests); a kept choice (the choices file) is what attention then runs; on a
-    CPU nothing is measured and the checks (layers.path) always take attention_plan's."""
+def test_attention_choice_candidates_and_kept_choices(tmp_path, monkeypatch):
+    """attention_plan's candidates: where it splits the keys, the same plan in one launch; where it runs one
+    program per (request, kv head) over the whole span (T = 1, many requests), wider key blocks, more warps, two
+    splits (and those in one launch); none elsewhere. A kept choice (the choices file) is what attention then
+    runs; on a CPU nothing is measured and the checks (layers.path) always take attention_plan's."""
     import torch
 
     from plugins import layers
     from plugins import triton_layers as tk
 
     # qwen2.5-coder-1.5b's heads: 12 q heads over 2 kv heads of 128
-    big = tk.decode_plans(1, 6, 2, 640, 128, 256)
-    assert big and tk.attention_plan(1, 6, 2, 640, 128, B=256) not in big
-    assert tk.attention_plan(1, 6, 2, 640, 128, B=256)[2] == 1  # no split: the regime the candidates are for
-    assert tk.decode_plans(1, 6, 2, 640, 128, 4) == []  # few requests: attention_plan splits the keys
-    assert tk.decode_plans(60, 6, 2, 640, 128, 256) == []  # a tree's rows: bench-kernels --attention's plan
+    plan = lambda T, B: tk.attention_plan(T, 6, 2, 640, 128, B=B)  # noqa: E731
+    cands = lambda T, B: tk.attention_candidates(T, 6, 2, 640, 128, B)  # noqa: E731
+    big = cands(1, 256)
+    assert plan(1, 256)[2] == 1 and plan(1, 256) not in big and len(big) > 2
+    assert any(len(p) == 5 and p[4] and p[2] > 1 for p in big)  # two splits, merged in the one launch
+    for T, B in [(1, 4), (60, 1), (10, 8)]:  # a decode step of few requests, a tree, a draft step: split keys
+        assert plan(T, B)[2] > 1 and cands(T, B) == [(*plan(T, B), True)]
+    assert plan(512, 16)[2] == 1 and cands(512, 16) == []  # prompt chunks of many requests: no candidate
     monkeypatch.setenv("MICROSPEC_LINEAR_CHOICES", str(tmp_path / "choices.json"))
     monkeypatch.setattr(layers, "_LINEAR", {})
     monkeypatch.setattr(layers, "_DISK", None)
@@ -111,10 +115,11 @@ def test_attention_choice_only_for_big_decode_steps(tmp_path, monkeypatch):
     args = (q, k, k, span, None, None, 0, 0.1)
     assert layers.attention_choice(*args) is None  # a CPU: not measured, attention_plan's
     key = layers._disk_key((q.device, "attention", 12, 2, 128, 1, B, S, q.dtype, False))
-    layers._remember(key, {"config": big[0], "torch_us": 80.0, "triton_us": 50.0})
+    one = next(p for p in big if len(p) == 5)
+    layers._remember(key, {"config": one, "torch_us": 80.0, "triton_us": 50.0})
     monkeypatch.setattr(layers, "_LINEAR", {})
     monkeypatch.setattr(layers, "_DISK", None)  # a fresh process
-    assert layers.attention_choice(*args) == big[0]
+    assert layers.attention_choice(*args) == one
     with layers.path(True):
         assert layers.attention_choice(*args) is None
     small = layers.Span(torch.zeros(4, dtype=torch.long), torch.ones(4, 1, 1, dtype=torch.bool), S, table[:4])

@@ -555,7 +555,7 @@ def attention_ab(a, timer: Timer) -> None:
     S, n0 = CONTEXT, CONTEXT - 424
     g = torch.Generator().manual_seed(0)
     plans = [p for p in itertools.product([16, 32, 64], [32, 64], [1, 2, 4, 8, 16, 32], [2, 4, 8])
-             if not (p[0] == 64 and p[3] == 2)] + list(triton_layers.DECODE_PLANS)
+             if not (p[0] == 64 and p[3] == 2)]
     rows = []
     for name, B, T, m, kind in ATTN_CASES:
         print(f"bench-kernels --attention: {name} ...", flush=True)
@@ -583,7 +583,7 @@ def attention_ab(a, timer: Timer) -> None:
         auto = triton_layers.attention_plan(T, H // KV, KV, S, D, B=B)
         ref = fn()
         got = {}
-        for plan in [auto] + plans:
+        for plan in [auto] + triton_layers.attention_candidates(T, H // KV, KV, S, D, B) + plans:
             if plan in got:
                 continue
             out = fn(plan)
