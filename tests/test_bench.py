@@ -213,6 +213,7 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
     # every microspec request speculated (fixed: a tree always pays); the cell says how many decoded as AR's
     assert [b["steps"]["as_ar"] for b in res["runs"]["microspec"]["batched"]] == [0, 0]
     assert [b["steps"]["graph_first_uses"] for b in res["runs"]["microspec"]["batched"]] == [0, 0]  # no graphs
+    assert [b["steps"]["step_costs"] for b in res["runs"]["microspec"]["batched"]] == [None, None]  # fixed: none
     from trtllm_microspec.bench.specbench import tree_cell
     assert tree_cell({"tree_sizes": {1: 5, 60: 3}, "as_ar": 2}) == "60: 3, 1: 5; 2 requests as AR's"
 

@@ -162,6 +162,11 @@ def test_first_uses_are_not_timed(engine_dir, random_draft_dir):
     del runner.replays  # the CPU's steps are their own (no graphs): timed
     llm.generate([CASES[0][0]], [CASES[0][2]])
     assert set(runner.policy.costs.drift) == {(2, 1)}
+    # what the bench reports of the policy at a level (LLM.step_costs): the runner's own estimates
+    table = llm.step_costs(1)
+    assert [c["tokens"] for c in table] == [1, 4, 8] and table[2]["seconds"] == runner.policy.costs(2, 1)
+    assert LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", spec_policy="fixed",
+               **SPEC).step_costs(1) is None  # nothing to weigh (and no engine made yet)
 
 
 def test_overlapped_plain_steps_are_timed(engine_dir, random_draft_dir):
@@ -440,3 +445,24 @@ def test_request_as_ar_beside_one_that_speculates(engine_dir):
     assert b.stats.rounds == 0 and set(b.stats.tree_sizes) == {1}
     assert max(x for x, _ in lags) > 0 and all(y == 0 for _, y in lags)  # a's plain rows pend, b's never
     assert a.stats.rounds > rounds and a.stats.plain_reasons.get("cost", 0) >= 5  # rounds again once b is done
+
+
+def test_step_costs_table_says_what_the_policy_weighed():
+    """SpecPolicy.table: per shape its tokens, prior tokens a round and the estimated step seconds where measured
+    (calibrated, corrected by the steps run); the bench's note puts them in one line with tokens per ms."""
+    from trtllm_microspec.bench.specbench import step_costs_note
+
+    tree = TreeConfig(depth=5, top_k=10, total_tokens=60)
+    shapes = tree_shapes(tree, "auto")
+    policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: [0.002, 0.003, 0.004, 0.009][s]))
+    before = policy.table(16)
+    assert [c["tokens"] for c in before] == [1, 4, 16, 60] and all(c["seconds"] is None for c in before)
+    assert [c["prior"] for c in before] == [prior_tokens(t) for t in shapes]
+    policy.best(16, 16, 16)  # weighs every shape at the bucket: measured now
+    policy.costs.observe(3, 16, 0.018)  # the 60-token tree ran at twice its calibration
+    after = policy.table(16)
+    assert [c["seconds"] for c in after] == pytest.approx([0.002, 0.003, 0.004, 0.018])
+    assert all(c["seconds"] is None for c in policy.table(64))  # another bucket: nothing measured there
+    note = step_costs_note("microspec at concurrency 16", after)
+    assert note.startswith("microspec at concurrency 16: the policy's step costs")
+    assert "plain 2.00 ms for 1.00 tokens = 0.50 tokens/ms" in note and "60-token tree 18.00 ms" in note

@@ -265,6 +265,16 @@ class LLM:
                 yield text[len(sent):], pending
         return self.result(req)
 
+    def step_costs(self, n: int) -> list[dict] | None:
+        """The speculation policy's view of a batch of n requests (SpecPolicy.table at their rows bucket): each
+        shape's tokens, prior tokens a round and estimated step seconds; None for AR, `fixed`, or before the engine."""
+        runner = self._scheduler and self._scheduler.runner
+        policy = getattr(runner, "policy", None)
+        if policy is None or policy.policy == "fixed":
+            return None
+        from .engine.runner import batch_bucket
+        return policy.table(batch_bucket(n, runner.max_batch))
+
     def graph_first_uses(self) -> int:
         """How many steps so far ran a CUDA-graph key's first use (its eager run or its capture) instead of a
         replay: a measurement meant for the steady state should see none (0 without graphs)."""

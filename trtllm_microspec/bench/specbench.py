@@ -117,6 +117,19 @@ def first_uses(model) -> int:
     return getattr(model, "graph_first_uses", lambda: 0)()
 
 
+def step_costs_note(where: str, costs: list[dict]) -> str:
+    """One line of what the speculation policy weighed (LLM.step_costs): per shape its step time (- where not
+    measured) and prior tokens a round, and so its prior tokens per ms."""
+    parts = []
+    for c in costs:
+        ms = c["seconds"] and c["seconds"] * 1e3
+        name = "plain" if c["tokens"] == 1 else f"{c['tokens']}-token tree"
+        rate = f" = {c['prior'] / ms:.2f} tokens/ms" if ms else ""
+        parts.append(f"{name} {_fmt(ms, '.2f')} ms for {c['prior']:.2f} tokens{rate}")
+    return f"{where}: the policy's step costs (calibrated, corrected by the steps run) and prior tokens: " + \
+        "; ".join(parts)
+
+
 def first_use_note(where: str, n: int, after: str = "") -> str:
     return f"{where}: {n} CUDA-graph first uses (an eager step or a capture) in the measured pass{after}: not quite " \
            f"the steady state"
@@ -244,6 +257,8 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             s["steps"]["as_ar"] = sum(1 for r in results if r.stats.get("speculative") is False)
             # steps that met a CUDA-graph key the warm-up pass did not (an eager step or a capture): not steady
             s["steps"]["graph_first_uses"] = first_uses(model) - uses
+            # what the speculation policy weighed at this level (why it speculated or not)
+            s["steps"]["step_costs"] = model.step_costs(c)
         if fallback:
             s["all_at_once"] = True
         log(f"{label}: {len(prompts)} first turns at concurrency {c}: {s['requests_per_s']:.2f} req/s, "
@@ -521,6 +536,9 @@ def cmd_bench(a) -> None:
             n = level.get("steps", {}).get("graph_first_uses")
             if n:
                 res["notes"].append(first_use_note(f"{label} at concurrency {level['concurrency']}", n))
+            costs = level.get("steps", {}).get("step_costs")
+            if costs:
+                res["notes"].append(step_costs_note(f"{label} at concurrency {level['concurrency']}", costs))
         if hasattr(model, "close"):  # vLLM frees its process-wide state only when asked
             model.close()
         del model

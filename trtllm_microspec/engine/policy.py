@@ -102,6 +102,11 @@ class StepCosts:
             self.base[key] = max(float(self.measure(shape, rows)), 1e-9)
         return self.base[key] * self.drift.get(key, self.drift.get((0, rows), 1.0))
 
+    def known(self, shape: int, rows: int) -> float | None:
+        """The estimate where one was made (calibrated, corrected by the steps run), else None: nothing measured
+        on asking."""
+        return self(shape, rows) if (shape, rows) in self.base else None
+
     def observe(self, shape: int, rows: int, seconds: float) -> None:
         key = (shape, rows)
         self(shape, rows)  # calibrated first
@@ -146,6 +151,12 @@ class SpecPolicy:
             if rate > best_rate:
                 best, best_rate = s, rate
         return best
+
+    def table(self, rows: int) -> list[dict]:
+        """What the policy weighs at a rows bucket, per shape: its tokens (plain: 1), its prior tokens a round and
+        its estimated step seconds (None: not measured there) -- why a batch of that size speculates or not."""
+        return [{"tokens": 1 if t is None else t.total_tokens, "prior": g, "seconds": self.costs.known(s, rows)}
+                for s, (t, g) in enumerate(zip(self.shapes, self.prior))]
 
     def ratio(self, req) -> float:
         return self.rho if req.accept_ratio is None else req.accept_ratio
