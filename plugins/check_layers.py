@@ -184,6 +184,24 @@ def tree_pool(g, B: int, k: int, depth: int, logp_of) -> tuple[torch.Tensor, tor
     return torch.cat(scores, 1), torch.cat(bests, 1) if bests else None
 
 
+def check_window_fill(dev, g, B: int, V: int, R: int, F: int) -> float:
+    """window_fill on random windows (each slot holding a random share of the vocabulary; one empty, one full)
+    and a random ranking, the batch's last two rows one padding slot repeated: exactly the reference's kept ids.
+    Error 0 or 1."""
+    slots = B + 3
+    held = torch.rand(slots, V + 1, generator=g) < torch.rand(slots, 1, generator=g) * 0.5
+    held[0] = False  # an empty window: the fill's first R ids are kept
+    slot_of = torch.where(held, torch.randint(0, R, (slots, V + 1), generator=g), -1)
+    id_of = torch.where(torch.rand(slots, R + 1, generator=g) < torch.rand(slots, 1, generator=g), 1, -1)
+    id_of[1, :R] = 1  # a full window: no fill id kept
+    fill_ids = torch.randperm(V, generator=g)[:F]
+    batch = torch.cat([torch.tensor([0, 1]), torch.randperm(slots - 3, generator=g)[:max(B - 2, 0)] + 2,
+                       torch.full((2,), slots - 1)])
+    args = [x.to(dev) for x in (slot_of, id_of, fill_ids, batch)]
+    fast, ref = both(lambda: layers.window_fill(*args, R))
+    return 0.0 if torch.equal(fast.cpu(), ref.cpu()) else 1.0
+
+
 def check_tree_select(dev, g, B: int, k: int, depth: int, N: int) -> float:
     """tree_select on a round's pool grown from random log-probabilities (continuous: no ties): exactly the
     reference's tree. Then a pool full of ties (log-probabilities 0, -0.5, -1 and -inf: p = 1.0 children, and
@@ -776,6 +794,11 @@ def cases(dev: str, big: bool, g):
         for L, KV, D, P in ([(28, 2, 128, 6), (3, 4, 64, 8)] if big else [(3, 2, 32, 6)]):
             yield (f"move_slots L={L} KV={KV} D={D} P={P} {str(dtype).removeprefix('torch.')}", 0.0,
                    lambda L=L, KV=KV, D=D, P=P, dtype=dtype: check_move(dev, dtype, g, L, KV, D, P))
+    # (B, V, R, F): a MicroSpec window's fill at qwen2.5's vocabulary, a batch, a fill longer than a block
+    for B, V, R, F in ([(1, 151936, 3072, 3072), (8, 151936, 3072, 3072), (3, 5000, 300, 2500)] if big else
+                       [(1, 400, 64, 64), (4, 400, 64, 64), (3, 3000, 40, 1500)]):
+        yield (f"window_fill B={B} V={V} R={R} F={F}", 0.0,
+               lambda B=B, V=V, R=R, F=F: check_window_fill(dev, g, B, V, R, F))
     # (B, k, depth, N): the GPU's tree, the CPU's, an odd small one, one of depth 1 (no expansion's inputs)
     for B, k, depth, N in [(1, 10, 5, 60), (3, 10, 5, 60), (2, 4, 3, 12), (3, 3, 2, 7), (2, 4, 1, 10)]:
         yield (f"tree_select B={B} k={k} depth={depth} N={N}", 0.0,

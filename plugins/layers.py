@@ -425,6 +425,23 @@ def tree_select(root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, best
     return tokens, par, anc.sum(2) - 1, anc
 
 
+def window_fill(slot_of: torch.Tensor, id_of: torch.Tensor, fill_ids: torch.Tensor, batch: torch.Tensor,
+                R: int) -> torch.Tensor:
+    """A MicroSpec window's kept fill ids (vocab/batched.py BatchWindow, vocab/strategies.py Fill) for the windows
+    of batch [B]: of the fill's ranked ids fill_ids [F], those not in the window (slot_of[slot, id] < 0), most
+    frequent first, as many as the window leaves free of its R slots (R - its ids held, id_of[slot, :R] >= 0);
+    -1 where not kept -> [B, F]. On CUDA one launch (a program per request) where the reference is ~13 kernels, at
+    every round's window update."""
+    if fast(slot_of, id_of, fill_ids, batch):
+        from .triton_layers import window_fill as kernel
+        return kernel(slot_of, id_of, fill_ids, batch, R)
+    V1 = slot_of.shape[1]
+    outside = slot_of.view(-1)[batch[:, None] * V1 + fill_ids] < 0
+    free = R - (id_of[batch, :R] >= 0).sum(1)
+    outside &= torch.cumsum(outside.long(), -1) <= free[:, None]
+    return torch.where(outside, fill_ids, -1)
+
+
 @functools.cache
 def arange_once(n: int, dev: torch.device) -> torch.Tensor:
     """torch.arange(n) on dev, made once (a CUDA graph replays it without a kernel each)."""

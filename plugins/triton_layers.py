@@ -81,6 +81,40 @@ def norm_cat(a, b, wa, wb, eps):
 
 
 @triton.jit
+def _window_fill_kernel(slot_of_ptr, id_of_ptr, ids_ptr, batch_ptr, out_ptr, V1, R1, R, F, BLOCK: tl.constexpr):
+    """layers.window_fill for request b (its window in slot batch[b]): the free slots, then the ranked fill ids
+    in blocks, a running count of those outside the window carried from block to block."""
+    b = tl.program_id(0)
+    slot = tl.load(batch_ptr + b).to(tl.int64)
+    held = 0
+    for i0 in range(0, R, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        held += tl.sum((tl.load(id_of_ptr + slot * R1 + i, mask=i < R, other=-1) >= 0).to(tl.int32), axis=0)
+    free = R - held
+    taken = 0  # fill ids outside the window so far, in rank order
+    for f0 in range(0, F, BLOCK):
+        f = f0 + tl.arange(0, BLOCK)
+        ok = f < F
+        ids = tl.load(ids_ptr + f, mask=ok, other=0)
+        outside = (tl.load(slot_of_ptr + slot * V1 + ids, mask=ok, other=0) < 0) & ok
+        rank = taken + tl.cumsum(outside.to(tl.int32), axis=0)
+        tl.store(out_ptr + b * F + f, tl.where(outside & (rank <= free), ids, -1), mask=ok)
+        taken += tl.sum(outside.to(tl.int32), axis=0)
+
+
+def window_fill(slot_of, id_of, fill_ids, batch, R):
+    import torch
+
+    B, F = batch.numel(), fill_ids.numel()
+    assert slot_of.is_contiguous() and id_of.is_contiguous() and fill_ids.is_contiguous() and batch.is_contiguous()
+    out = torch.empty(B, F, dtype=fill_ids.dtype, device=fill_ids.device)
+    if B and F:
+        _window_fill_kernel[(B,)](slot_of, id_of, fill_ids, batch, out, slot_of.shape[1], id_of.shape[1], R, F,
+                                  BLOCK=1024, num_warps=4)
+    return out
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr,
                        H, KV, stride_pos, stride_slot, stride_kh, stride_ks, eps,
                        D: tl.constexpr, QK_NORM: tl.constexpr):

@@ -90,9 +90,11 @@ class WindowVocab:
 
     def _refill(self) -> None:
         """The fill of the window as it is now (on the compute stream: its rows need no gather)."""
-        if self.fill is not None:
+        if self.fill is not None:  # the ranked ids not in the window, most frequent first, as many as fit
             free = self.R - (self.id_of_all[:self.R] >= 0).sum()
-            self.fill_id_of.copy_(self.fill.keep(self.slot_of[self.fill.ids] >= 0, free))
+            out = self.slot_of[self.fill.ids] < 0
+            out &= torch.cumsum(out.long(), -1) <= free
+            self.fill_id_of.copy_(torch.where(out, self.fill.ids, -1))
 
     def _unique(self, ids: torch.Tensor) -> torch.Tensor:
         return ops.unique_first_rows(ids[None], self.first[None], self.alone)[0]

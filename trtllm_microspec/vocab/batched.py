@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins import ops
+from plugins import layers, ops
 
 from .strategies import Fill, Window, window_length
 
@@ -183,9 +183,7 @@ class BatchWindow:
         values)."""
         if self.fill is None:
             return
-        in_window = self._held(batch, self.fill.ids)
-        free = self.R - (self.id_of[batch, :self.R] >= 0).sum(1)
-        self.fill_id_of.index_copy_(0, batch, self.fill.keep(in_window, free))
+        self.fill_id_of.index_copy_(0, batch, layers.window_fill(self.slot_of, self.id_of, self.fill.ids, batch, self.R))
 
     def _held(self, batch: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Whether each id of ids ([n], or [B, n] a row per window) is in window batch[b] (its stream or pinned ids,

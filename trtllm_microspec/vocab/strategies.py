@@ -126,9 +126,9 @@ class StaticVocab(FullVocab):
 class Fill:
     """A window's fill: the static ranking's first F ids (F = R) and, per round, which of them are kept:
     those not in the window, most frequent first, as many as the window leaves free of its R = W_max
-    slots (a cumsum over the not-in-window mask). The kept ids are a pure function of the window's membership
-    (slot_of) and size, so a window that restarts (a request joins) restarts its fill too. All device tensor
-    ops with static shapes: no host work, capturable in the CUDA graphs.
+    slots (layers.window_fill: one launch per round on CUDA). The kept ids are a pure function of the window's
+    membership (slot_of) and size, so a window that restarts (a request joins) restarts its fill too. Capturable in
+    the CUDA graphs: no host work.
       ids     [F]    int64  the ranked ids
       rank_of [V+1]  int64  each id's position in ids, F if absent (the sentinel V too)"""
 
@@ -137,13 +137,6 @@ class Fill:
         self.F = F = self.ids.numel()
         self.rank_of = torch.full((vocab_size + 1,), F, dtype=torch.long, device=device)
         self.rank_of[self.ids] = torch.arange(F, device=device)
-
-    def keep(self, in_window: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
-        """in_window [..., F] (whether each ranked id is in its window), free [...] (slots the window leaves)
-        -> the kept ranked ids [..., F], -1 where not kept."""
-        out = ~in_window
-        out &= torch.cumsum(out.long(), -1) <= free[..., None]
-        return torch.where(out, self.ids, -1)
 
 
 @dataclass(frozen=True)
