@@ -320,19 +320,13 @@ logsoftmax_topk_kernel(const scalar_t* __restrict__ logits, int R, const int64_t
   const int n = nwarps * k;
   best = 0;
   for (int j = lane; j < n; j += 32) best = max(best, picks[j]);
+  // the r-th pick is kept by lane r (in a register: k <= kTopkMaxK = 32): the outputs, and the id_of
+  // lookups they need, are written after the loop by every lane at once, not by one lane inside it (each lookup
+  // a global load the whole warp would wait on, k times over)
+  unsigned long long mine = 0;
   for (int r = 0; r < k; ++r) {
     const unsigned long long key = warp_max(best);
-    if (lane == 0) {
-      const int64_t o = static_cast<int64_t>(blockIdx.x) * k + r;
-      if (key == 0) {  // fewer than k slots in the row: -inf and id 0, as an empty slot's
-        out_logp[o] = -INFINITY;
-        out_ids[o] = 0;
-      } else {
-        const int slot = key_slot(key);
-        out_logp[o] = key_value(key) - lse;
-        out_ids[o] = id_of[slot] < 0 ? 0 : id_of[slot];  // an empty slot only wins at -inf (ops.packed_head)
-      }
-    }
+    if (lane == r) mine = key;
     if (best == key) {
       unsigned long long next = 0;
       for (int j = lane; j < n; j += 32) {
@@ -340,6 +334,18 @@ logsoftmax_topk_kernel(const scalar_t* __restrict__ logits, int R, const int64_t
         next = max(next, picks[j]);
       }
       best = next;
+    }
+  }
+  if (lane < k) {
+    const int64_t o = static_cast<int64_t>(blockIdx.x) * k + lane;
+    if (mine == 0) {  // fewer than k slots in the row: -inf and id 0, as an empty slot's
+      out_logp[o] = -INFINITY;
+      out_ids[o] = 0;
+    } else {
+      const int slot = key_slot(mine);
+      const int64_t id = id_of[slot];
+      out_logp[o] = key_value(mine) - lse;
+      out_ids[o] = id < 0 ? 0 : id;  // an empty slot only wins at -inf (ops.packed_head)
     }
   }
 }
