@@ -74,6 +74,9 @@ def check_norm(dev, dtype, g, d: int) -> float:
         err = max(err, rel(*both(lambda: layers.rms_norm(x, w, 1e-6, offset))))
     # EAGLE-3's layer input: the embedding and the feature normed side by side ([B, k, d] rows, one strided)
     err = max(err, rel(*both(lambda: layers.norm_cat(rows[..., :d], rows[..., d:], w, dw, 1e-6))))
+    # ... the embeddings gathered from a table by token ids in the same launch
+    table, ids = torch.randn(50, d, generator=g).to(dev, dtype), torch.randint(0, 50, (3, 5), generator=g).to(dev)
+    err = max(err, rel(*both(lambda: layers.norm_cat(table, rows[..., d:], w, dw, 1e-6, ids))))
     return err
 
 

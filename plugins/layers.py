@@ -180,14 +180,19 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> tor
     return (xf * (offset + w.float())).to(x.dtype)
 
 
-def norm_cat(a: torch.Tensor, b: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+def norm_cat(a: torch.Tensor, b: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, eps: float,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
     """[rms_norm(a) by wa | rms_norm(b) by wb] over the last dim -> [..., 2 d]: an EAGLE-3 layer's input (the
-    token's embedding and the feature, each normed, side by side). On CUDA one launch where the reference is three
-    (two norms and the cat), in each of a round's six draft-layer calls."""
-    if fast(a, b, wa, wb) and a.dtype == b.dtype and a.shape == b.shape:
+    token's embedding and the feature, each normed, side by side). rows: a is an embedding table [V, d] and its
+    rows[...] are the embeddings (gathered in the same launch). On CUDA one launch where the reference is three or
+    four (the gather, two norms and the cat), in each of a round's six draft-layer calls."""
+    d = b.shape[-1]
+    if fast(a, b, wa, wb) and a.dtype == b.dtype and (a.shape == b.shape if rows is None else rows.shape == b.shape[:-1]):
         from .triton_layers import norm_cat as kernel
-        d = a.shape[-1]
-        return kernel(a.reshape(-1, d).contiguous(), b.reshape(-1, d).contiguous(), wa, wb, eps).view(*a.shape[:-1], 2 * d)
+        return kernel(a.reshape(-1, d).contiguous(), b.reshape(-1, d).contiguous(), wa, wb, eps,
+                      None if rows is None else rows.reshape(-1).contiguous()).view(*b.shape[:-1], 2 * d)
+    if rows is not None:
+        a = a[rows]
     return torch.cat([rms_norm(a, wa, eps, 0.0), rms_norm(b, wb, eps, 0.0)], -1)
 
 

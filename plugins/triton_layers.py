@@ -58,25 +58,30 @@ def add_rms_norm(res, delta, w, eps, offset, delta_w=None):
 
 
 @triton.jit
-def _norm_cat_kernel(a_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
-    """out[row] = [rms_norm(a[row]) * wa | rms_norm(b[row]) * wb], rounded as rms_norm rounds each."""
+def _norm_cat_kernel(a_ptr, rows_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr, n_cols, eps, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """out[row] = [rms_norm(a[row]) * wa | rms_norm(b[row]) * wb], rounded as rms_norm rounds each; ROWS: a's row
+    is a[rows[row]] (a table gathered)."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    a = tl.load(a_ptr + row * n_cols + cols, mask=ok, other=0.0)
+    a_row = tl.load(rows_ptr + row).to(tl.int64) if ROWS else row
+    a = tl.load(a_ptr + a_row * n_cols + cols, mask=ok, other=0.0)
     b = tl.load(b_ptr + row * n_cols + cols, mask=ok, other=0.0)
     out = out_ptr + row * 2 * n_cols + cols
     tl.store(out, _rms(a.to(tl.float32), wa_ptr, cols, ok, n_cols, eps, 0.0).to(a.dtype), mask=ok)
     tl.store(out + n_cols, _rms(b.to(tl.float32), wb_ptr, cols, ok, n_cols, eps, 0.0).to(a.dtype), mask=ok)
 
 
-def norm_cat(a, b, wa, wb, eps):
+def norm_cat(a, b, wa, wb, eps, rows=None):
     import torch
 
-    T, d = a.shape
-    assert a.is_contiguous() and b.is_contiguous() and b.shape == a.shape and b.dtype == a.dtype
+    T, d = b.shape
+    assert a.is_contiguous() and b.is_contiguous() and a.shape[1] == d and b.dtype == a.dtype
+    assert rows is None and a.shape[0] == T or rows is not None and rows.is_contiguous() and rows.numel() == T
     out = torch.empty(T, 2 * d, dtype=a.dtype, device=a.device)
-    _norm_cat_kernel[(T,)](a, b, wa, wb, out, d, eps, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+    _norm_cat_kernel[(T,)](a, b if rows is None else rows, b, wa, wb, out, d, eps, ROWS=rows is not None,
+                           BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
     return out
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from plugins import layers
 
+from .. import parallel
 from ..models.model import MLP, Attention, KVCache, ModelConfig, RMSNorm, Span, Transformer, rope_tables
 from ..models.registry import UserError
 
@@ -102,11 +103,14 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(d, eps, gemma=False)
         self.post_attention_layernorm = RMSNorm(d, eps, gemma=False)
 
-    def forward(self, x: torch.Tensor, emb: torch.Tensor, attn_args) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, attn_args, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, d] the feature, emb [T, d] the tokens' embeddings (with tokens [T]: the table they index)."""
         at, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
-        # both inputs normed side by side in one launch (both norms take the config's eps); then the layer runs its projections and the rotation + KV
-        # write (Attention takes the rotated q, MLP gate|up), as models/model.py's Block does
-        xin = layers.norm_cat(emb, x, self.input_layernorm.weight, self.hidden_norm.weight, self.hidden_norm.eps)
+        # both inputs normed side by side in one launch, the embeddings gathered in it (both norms take the
+        # config's eps); then the layer runs its projections and the rotation + KV write (Attention takes the
+        # rotated q, MLP gate|up), as models/model.py's Block does
+        xin = layers.norm_cat(emb, x, self.input_layernorm.weight, self.hidden_norm.weight, self.hidden_norm.eps,
+                              tokens)
         qkv = layers.linear(xin, at.qkv_proj.weight, at.qkv_proj.bias)
         a = at(layers.rope_cache_write(qkv, *at.rope_args(*attn_args)), *attn_args)
         res = xin[..., x.shape[-1]:].contiguous() if self.norm_before_residual else x  # the normed feature
@@ -155,6 +159,14 @@ class Eagle3Draft(nn.Module):
             return self.embed_tokens(tokens)
         return self.target[0].embed(tokens)
 
+    def embed_table(self) -> torch.Tensor | None:
+        """The rows embed() takes a token's from, where it is a plain row lookup (the head's own table, or the
+        target's unsharded and unscaled one), so the layer can gather them itself; else None."""
+        if hasattr(self, "embed_tokens"):
+            return self.embed_tokens.weight
+        t = self.target[0]
+        return t.embed_tokens.weight if parallel.world() == 1 and t.embed_scale == 1.0 else None
+
     def hidden(self, tokens, features, positions, slots, span: Span, cache: KVCache) -> torch.Tensor:
         """tokens [T] (token t+1), features [T, 3 x target d] (the target's layers at t) or [T, d] (the draft's
         output at t) -> the draft's output [T, d] (before its norm: the next step's feature); K and V go into
@@ -165,6 +177,9 @@ class Eagle3Draft(nn.Module):
         if x.shape[-1] != self.cfg.hidden_size:
             x = layers.linear(x, self.fc.weight)
         attn_args = (self.rope, positions, slots, span, cache.pos, 0, cache.k[0], cache.v[0])
+        table = self.embed_table()
+        if table is not None:  # the embeddings gathered in the layer's input-norm launch
+            return self.layers[0](x, table, attn_args, tokens)
         return self.layers[0](x, self.embed(tokens), attn_args)
 
 
