@@ -559,14 +559,18 @@ def attention_choice(q, k_cache, v_cache, span: Span, q_pos, k_pos, window: int,
     B, T = span.new.shape[:2]
     H, D = q.shape[1:]
     KV = k_cache.shape[0]
+    key = (q.device, "attention", H, KV, D, T, B, span.S, q.dtype, window > 0)
+    got = _LINEAR.get(key)  # every call of an eager step asks: the candidates are worked out once per key
+    if got is not None:
+        return got["config"]
     plans = tk.attention_candidates(T, H // KV, KV, span.S, D, B)
     if not plans:
+        _LINEAR[key] = {"config": None}
         return None
 
     def run(plan=None):
         return tk.attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan)
 
-    key = (q.device, "attention", H, KV, D, T, B, span.S, q.dtype, window > 0)
     return _kept(key, lambda: _measure(q, k_cache, run, run, plans, "attention plan"))["config"]
 
 
