@@ -551,7 +551,11 @@ def attention_choice(q, k_cache, v_cache, span: Span, q_pos, k_pos, window: int,
     decode step of many requests), measured on the first eager call of each (heads, rows, requests, span bound)
     on this very input and kept as linear_choice's are (the choices file); a candidate runs only where >= 3%
     faster and agreeing with attention_plan's output. None (attention_plan's) where there is no candidate, under
-    the checks, and inside a capture before a measurement."""
+    the checks, and inside a capture before a measurement. The span bound is keyed by its power-of-two bucket
+    (span_bucket): a graph's S is a bucket already, but an eager step's S is the exact context, and keyed so every
+    token's step measured anew (on the H100 trace at 1cd19b9: ~30 L2-flushing fills of ~32 us a round, and a
+    512-token prefill 25.7 ms against 22.8 before). Every plan serves any S (check_layers runs plans with more
+    splits than key blocks)."""
     from . import triton_layers as tk
 
     if _FORCE is not None:
@@ -559,7 +563,7 @@ def attention_choice(q, k_cache, v_cache, span: Span, q_pos, k_pos, window: int,
     B, T = span.new.shape[:2]
     H, D = q.shape[1:]
     KV = k_cache.shape[0]
-    key = (q.device, "attention", H, KV, D, T, B, span.S, q.dtype, window > 0)
+    key = (q.device, "attention", H, KV, D, T, B, span_bucket(span.S), q.dtype, window > 0)
     got = _LINEAR.get(key)  # every call of an eager step asks: the candidates are worked out once per key
     if got is not None:
         return got["config"]
@@ -572,6 +576,11 @@ def attention_choice(q, k_cache, v_cache, span: Span, q_pos, k_pos, window: int,
         return tk.attention(q, k_cache, v_cache, span, q_pos, k_pos, window, scale, plan)
 
     return _kept(key, lambda: _measure(q, k_cache, run, run, plans, "attention plan"))["config"]
+
+
+def span_bucket(S: int) -> int:
+    """The span bound attention_choice keys on: the next power of two, at least 64."""
+    return max(64, 1 << (S - 1).bit_length())
 
 
 def _choice(x, w, has_bias: bool, kind: str | None, ref, kernel, configs=None) -> dict:

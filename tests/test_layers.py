@@ -114,12 +114,18 @@ def test_attention_choice_candidates_and_kept_choices(tmp_path, monkeypatch):
     span = layers.Span(torch.zeros(B, dtype=torch.long), torch.ones(B, 1, 1, dtype=torch.bool), S, table)
     args = (q, k, k, span, None, None, 0, 0.1)
     assert layers.attention_choice(*args) is None  # a CPU: not measured, attention_plan's
-    key = layers._disk_key((q.device, "attention", 12, 2, 128, 1, B, S, q.dtype, False))
+    assert [layers.span_bucket(s) for s in (1, 64, 65, 600, 640, 1024, 1025)] == [64, 64, 128, 1024, 1024, 1024, 2048]
+    key = layers._disk_key((q.device, "attention", 12, 2, 128, 1, B, layers.span_bucket(S), q.dtype, False))
     one = next(p for p in big if len(p) == 5)
     layers._remember(key, {"config": one, "torch_us": 80.0, "triton_us": 50.0})
     monkeypatch.setattr(layers, "_LINEAR", {})
     monkeypatch.setattr(layers, "_DISK", None)  # a fresh process
     assert layers.attention_choice(*args) == one
+    # an eager step's exact context in the same bucket takes the kept choice (measured once per bucket, not per token)
+    near = layers.Span(span.n, span.new, 1000, torch.zeros(B, 1000 // layers.KV_BLOCK + 1, dtype=torch.long))
+    assert layers.attention_choice(q, k, k, near, None, None, 0, 0.1) == one
+    far = layers.Span(span.n, span.new, 1100, torch.zeros(B, 1100 // layers.KV_BLOCK + 1, dtype=torch.long))
+    assert layers.attention_choice(q, k, k, far, None, None, 0, 0.1) is None  # another bucket: not measured here
     with layers.path(True):
         assert layers.attention_choice(*args) is None
     small = layers.Span(torch.zeros(4, dtype=torch.long), torch.ones(4, 1, 1, dtype=torch.bool), S, table[:4])
