@@ -297,3 +297,37 @@ def test_speculative_plain_steps_overlap(engine_dir, sync, monkeypatch):
         assert sched.pending is None
     assert any(w[-1] in sync.target.cfg.eos_ids for w in want[-len(CHATS):])  # an EOS finish
     assert outs[True] == outs[False] == want
+
+
+def test_overlap_phase_times_count_each_step_once(over, monkeypatch):
+    """A request's prefill_s + decode_s in a stream of overlapped steps is the steps' own time, about its wall time:
+    a step is launched before the one ahead of it is read, so launch-to-read spans two steps (on the H100 an AR
+    answer's decode_s came to 1.8x its wall time). Here a device that runs each step for 120 ms after its launch, in
+    order (an event that waits for it), as a GPU does: longer than the CPU's own pass (~60 ms), so the device bounds
+    the steps, as it does on a GPU."""
+    import time
+
+    STEP = 0.12
+    sched = over.scheduler()
+    launch, busy_until = sched.runner.step_async, [0.0]
+
+    class Device:  # the step's end on a device that runs one step at a time, in launch order
+        def __init__(self):
+            self.done = busy_until[0] = max(time.perf_counter(), busy_until[0]) + STEP
+
+        def synchronize(self):
+            time.sleep(max(0.0, self.done - time.perf_counter()))
+
+    def on_device(chunks, decodes):
+        rows, tokens, _ = launch(chunks, decodes)
+        return rows, tokens, Device()
+    monkeypatch.setattr(sched.runner, "step_async", on_device)
+    req = sched.add(prompts(1, [20], seed=3)[0], 8)
+    t0 = time.perf_counter()
+    drive(sched, [req])
+    wall = time.perf_counter() - t0
+    spent = req.stats.prefill_s + req.stats.decode_s
+    assert len(req.out) == 8 and wall > 8 * STEP
+    assert 0.8 * 8 * STEP < spent <= 1.1 * wall, (spent, wall)  # launch to read: ~1.5x the wall time here
+    sched.step()
+    check_pool(sched)

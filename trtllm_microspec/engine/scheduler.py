@@ -390,14 +390,16 @@ class Scheduler:
         if p.event is not None:
             p.event.synchronize()
         now = time.perf_counter()
-        dt = now - p.t_launch
         # the step's own time: the device ran it after what it had before (read at t_done) or from its launch,
         # whichever came later (so a gap with nothing to run is not counted); in a stream of overlapped steps,
-        # one read to the next. On the CPU (no event) the launch ran the step: its time is the launch's
+        # one read to the next. On the CPU (no event) the launch ran the step: its time is the launch's. It is
+        # what the step's requests count as their phase's time too: launch to read spans the step before it as
+        # well (its launch comes before that one is read), which counted each step twice on the GPU (an AR
+        # answer's decode_s 1.8x its wall time on the H100 at 1cd19b9)
         took = now - max(p.t_start, self.t_done) if p.event is not None else p.t_launch - p.t_start
         self.t_done = now
         for req, _ in p.chunks:
-            req.stats.prefill_s += dt
+            req.stats.prefill_s += took
         emitted, kept = [], []  # kept: the decode rows whose token is their request's
         for (req, first), tok in zip(p.rows, p.tokens.tolist()):
             # finished at the step before, or cancelled since (a step that drains first does so before the
@@ -408,7 +410,7 @@ class Scheduler:
             if first:
                 req.t_first = req.t_first or now  # a recomputed request had its first token
             else:
-                req.stats.decode_s += dt
+                req.stats.decode_s += took
                 kept.append(req)
             emitted.append((req, self._emit(req, [tok], now)))
         # a step none of whose rows is kept ran for requests that had finished: nothing waited for it, so it may
