@@ -578,9 +578,10 @@ def attention_choice(q, k_cache, v_cache, span: Span, q_pos, k_pos, window: int,
     return _kept(key, lambda: _measure(q, k_cache, run, run, plans, "attention plan"))["config"]
 
 
-def span_bucket(S: int) -> int:
-    """The span bound attention_choice keys on: the next power of two, at least 64."""
-    return max(64, 1 << (S - 1).bit_length())
+def span_bucket(S: int, smallest: int = 64) -> int:
+    """The next power of two >= S, at least `smallest`: the span bound attention_choice keys on, and (capped at the
+    cache length) the one a CUDA graph attends over (engine/graphs.bucket_for)."""
+    return max(smallest, 1 << (S - 1).bit_length())
 
 
 def _choice(x, w, has_bias: bool, kind: str | None, ref, kernel, configs=None) -> dict:

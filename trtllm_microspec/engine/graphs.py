@@ -13,6 +13,8 @@ from collections.abc import Hashable
 
 import torch
 
+from plugins.layers import span_bucket
+
 
 class GraphRunner:
     def __init__(self):
@@ -40,8 +42,6 @@ class GraphRunner:
 
 
 def bucket_for(need: int, max_seq: int, smallest: int = 256) -> int:
-    """The KV span a graph attends over: the next power of two >= need, capped at the cache length."""
-    b = smallest
-    while b < need:
-        b *= 2
-    return min(b, max_seq)
+    """The KV span a graph attends over: the next power of two >= need (at least `smallest`), capped at the cache
+    length; attention_choice keys its measurements by the same buckets."""
+    return min(span_bucket(need, smallest), max_seq)
