@@ -44,23 +44,6 @@ def test_shapes():
     assert prior_tokens(None) == 1 < prior_tokens(shapes[1]) < prior_tokens(shapes[2]) < prior_tokens(tree)
 
 
-def test_priors_take_the_heads_own_top1():
-    """A head's held-out top-1 per depth (train-draft records it) sets the priors: a strong head's 60-token tree
-    pays for a joining request at a cost where a typical head's does not; per-depth values below the first lower
-    the prior below the first depth's alone; one value is every depth's."""
-    tree = TreeConfig(depth=5, top_k=10, total_tokens=60)
-    shapes = tree_shapes(tree, "auto")
-    strong = [0.74, 0.70, 0.66, 0.58, 0.50]
-    assert prior_tokens(tree, [0.45]) == prior_tokens(tree, 0.45) == prior_tokens(tree)
-    assert prior_tokens(tree, 0.5) < prior_tokens(tree, strong) < prior_tokens(tree, 0.74)
-    cost = [1.0, 100.0, 100.0, 3.5]  # only the 60-token tree is worth weighing: 3.5x a plain step
-    typical = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]))
-    head = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]), top1=strong)
-    assert prior_tokens(tree) < 3.5 < 3.5 * PAYS_MARGIN < prior_tokens(tree, strong)
-    assert not typical.pays(16, 16) and head.pays(16, 16)
-    assert typical.choose(requests(None), 1) == 0 and head.choose(requests(None), 1) == 3
-
-
 def test_policy_picks_what_pays():
     """Goodput = the requests' expected tokens / the step's cost: plain when a tree costs more than it returns,
     the full tree when it pays, plain again for requests that stop accepting."""

@@ -17,10 +17,8 @@ shape bucket); each request's own acceptance weighs in through E_s(r).
 Acceptance model: E_s(r) = 1 + rho_r (G_s - 1), where G_s is the shape's prior tokens per round (an EAGLE-2 tree
 accepting a level with a chance that grows with the level's width: `prior_tokens`) and rho_r the request's running
 ratio of what it accepted to that prior (an exponential average over its speculative rounds, starting from the
-batch-wide one). rho carries what the head actually achieves on the request's text; the priors rank the shapes and
-decide alone whether a joining request speculates at all (`pays`, before it has a ratio of its own), so they take
-the head's own held-out top-1 per depth where `train-draft` recorded it in the head's config (a typical head's
-otherwise: at 16 requests on an H100 that prior kept every request of a head accepting 3.3 tokens plain). The policy never changes what is emitted: greedy stays AR's argmax and sampling AR's
+batch-wide one). The priors only rank the shapes against each other; rho carries what the head actually achieves
+on the request's text. The policy never changes what is emitted: greedy stays AR's argmax and sampling AR's
 distribution whatever it picks (the verification is lossless for any tree, the root-only one included).
 
 `fixed` always runs the configured tree (the engine before this policy). Costs are calibrated per (shape, rows
@@ -38,7 +36,7 @@ whose text turns predictable, or a batch that shrinks, gets its trees back.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ..speculative.tree import TreeConfig
 
@@ -73,24 +71,16 @@ def tree_shapes(tree: TreeConfig, policy: str) -> list[TreeConfig | None]:
     return [None, *sorted(small, key=lambda t: t.total_tokens), tree]
 
 
-TYPICAL_TOP1 = 0.45  # a typical head's top-1 at every depth, where the head records none of its own
-
-
-def prior_tokens(tree: TreeConfig | None, top1: float | Sequence[float] | None = None, gamma: float = 0.3) -> float:
-    """Tokens per round a tree is expected to give a head whose top-1 accuracy is `top1` (one for every depth, or
-    per depth from the first, the last repeated; None: TYPICAL_TOP1): level i of its depth + 1 accepts with
-    alpha_i = 1 - (1 - top1_i) w^-gamma, w the level's width (its tokens per level, at most top_k), after the
-    previous level accepted; plus the bonus token."""
+def prior_tokens(tree: TreeConfig | None, top1: float = 0.45, gamma: float = 0.3) -> float:
+    """Tokens per round a tree is expected to give a typical head: each of its depth + 1 levels accepts with
+    alpha = 1 - (1 - top1) w^-gamma, w the level's width (its tokens per level, at most top_k), after the previous
+    level accepted; plus the bonus token."""
     if tree is None:
         return 1.0
     levels = tree.depth + 1
     w = min(tree.top_k, (tree.total_tokens - 1) / levels)
-    acc = [TYPICAL_TOP1] if top1 is None else [top1] if isinstance(top1, (int, float)) else list(top1)
-    got, chain = 1.0, 1.0
-    for i in range(levels):
-        chain *= 1 - (1 - acc[min(i, len(acc) - 1)]) * w ** -gamma
-        got += chain
-    return got
+    alpha = 1 - (1 - top1) * w ** -gamma
+    return 1 + sum(alpha ** i for i in range(1, levels + 1))
 
 
 class StepCosts:
@@ -126,15 +116,12 @@ class StepCosts:
 
 
 class SpecPolicy:
-    def __init__(self, shapes: list[TreeConfig | None], policy: str, costs: StepCosts,
-                 top1: Sequence[float] | None = None):
-        """top1: the head's held-out top-1 per depth (`train-draft` records it), for the priors; None: a typical
-        head's."""
+    def __init__(self, shapes: list[TreeConfig | None], policy: str, costs: StepCosts):
         if policy not in POLICIES:
             from ..models.registry import UserError
             raise UserError(f"unknown spec policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.shapes, self.policy, self.costs = shapes, policy, costs
-        self.prior = [prior_tokens(t, top1) for t in shapes]
+        self.prior = [prior_tokens(t) for t in shapes]
         self.rho = 1.0  # the batch-wide acceptance ratio: where a new request starts
         self.why: str | None = None  # why the last choice was a plain step (PLAIN_REASONS), None: a tree
 

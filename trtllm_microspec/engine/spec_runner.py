@@ -67,8 +67,7 @@ class SpecRunner(BatchRunner):
                          slot_bytes=(1 + k_pre) * 8 if window_pre else 0)
         self.draft, self.tree, self.k_pre, self.k_ver, self.k_tree = draft, tree, k_pre, k_ver, k_tree
         self.shapes = shapes
-        self.policy = SpecPolicy(shapes, spec_policy, costs or StepCosts(self.measure),
-                                 top1=getattr(draft, "heldout_top1", None))
+        self.policy = SpecPolicy(shapes, spec_policy, costs or StepCosts(self.measure))
         self.planned: int | None = None  # the shape the scheduler planned this step's budget with
         dev = self.device
         # the draft's own KV pool, with the target's block ids (draft.cfg: its layers and KV shapes)

@@ -75,14 +75,6 @@ def save_draft(model: EagleDraft, out_dir: Path, target_engine: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def record_heldout(out_dir: Path, top1: list[float]) -> None:
-    """The head's held-out top-1 per depth into its config (`heldout_top1`): the speculation policy's priors read it
-    (engine/policy.py)."""
-    path = Path(out_dir) / "config.json"
-    cfg = json.loads(path.read_text())
-    path.write_text(json.dumps({**cfg, "heldout_top1": [float(a) for a in top1]}, indent=2) + "\n")
-
-
 def _target_record(engine: Path) -> dict:
     c = ModelConfig.load(Path(engine) / "config.json")
     return {"arch": c.arch, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
@@ -98,9 +90,7 @@ def load_draft(draft_dir: str | Path, target: Transformer, dtype, device):
                         f"build one with `microspec build-draft`")
     raw = json.loads((d / "config.json").read_text())
     if raw.get("eagle") == 3:
-        model = load_draft3(raw, load_file(d / "model.safetensors"), target).setup(target, dtype, device).eval()
-        model.heldout_top1 = raw.get("heldout_top1")
-        return model
+        return load_draft3(raw, load_file(d / "model.safetensors"), target).setup(target, dtype, device).eval()
     t = target.cfg
     want = raw.get("target", {})
     if raw.get("hidden_size") != t.hidden_size or want.get("vocab_size", t.vocab_size) != t.vocab_size:
@@ -110,9 +100,7 @@ def load_draft(draft_dir: str | Path, target: Transformer, dtype, device):
     with torch.device("meta"):
         model = EagleDraft(cfg, bias=bool(raw.get("bias", False)))
     model.load_state_dict(load_file(d / "model.safetensors"), strict=True, assign=True)
-    model = model.setup(target, dtype, device).eval()
-    model.heldout_top1 = raw.get("heldout_top1")  # train-draft's measure of the head, for the policy's priors
-    return model
+    return model.setup(target, dtype, device).eval()
 
 
 def build_draft(checkpoint: str | Path, target_engine: str | Path, out_dir: str | Path) -> tuple[Path, str]:

@@ -81,7 +81,7 @@ from plugins import layers
 from ..models.model import KVCache, Span, Transformer
 from ..models.registry import UserError, check_out_dir, need
 from ..models.tokenizer import Tokenizer
-from ..speculative.eagle import EagleDraft, _target_record, draft_config, record_heldout, save_draft
+from ..speculative.eagle import EagleDraft, _target_record, draft_config, save_draft
 from ..speculative.eagle3 import Eagle3Draft, default_taps, draft3_config, save_draft3
 from ..vocab.frequency import FREQ_FILE, save_ranking
 
@@ -865,7 +865,6 @@ def train(engine: str | Path, out: str | Path, conversations: int | None = None,
         save_draft3(draft, out, _target_record(engine_dir), "trained here")
     else:
         save_draft(draft, out, engine_dir)
-    record_heldout(out, after["acc"])
     save_ranking(out / FREQ_FILE, counts)
     tokens = sum(p.real for p in train_packs)
     r = {"out": str(out), "arch": arch, "data": what, "loss": loss, "steps": done, "planned_steps": plan, "epoch_steps": total,
