@@ -120,8 +120,8 @@ def test_bad_input(args, tmp_path, capsys):
 
 
 def test_level_questions():
-    """A level's first turns: all; --requests-per-level K the first K x c; --requests N exactly N, repeated past the
-    last; both round-robin over the categories."""
+    """A level's first turns: all; --requests-per-level K, K x c of them; --requests N exactly N; both repeated past
+    the last (a level of more slots than questions still holds K a slot) and round-robin over the categories."""
     from argparse import Namespace
 
     from trtllm_microspec.bench.specbench import level_questions
@@ -131,7 +131,8 @@ def test_level_questions():
         return [q["qid"] for q in level_questions(qs, Namespace(requests_per_level=k, requests=n), c)]
 
     assert ids() == ["a0", "a1", "a2", "b0", "b1", "b2"]
-    assert ids(k=1) == ["a0", "b0"] and ids(k=2, c=4) == ["a0", "b0", "a1", "b1", "a2", "b2"]
+    assert ids(k=1) == ["a0", "b0"] and ids(k=2, c=3) == ["a0", "b0", "a1", "b1", "a2", "b2"]
+    assert ids(k=2, c=4) == ["a0", "b0", "a1", "b1", "a2", "b2", "a0", "b0"]
     assert ids(n=3) == ["a0", "b0", "a1"] and ids(n=8) == ["a0", "b0", "a1", "b1", "a2", "b2", "a0", "b0"]
 
 

@@ -180,10 +180,10 @@ def converse(model, questions: list[dict], a, cuda: bool, sampling: dict, label:
 
 
 def level_questions(questions: list[dict], a, c: int) -> list[dict]:
-    """The first turns level c decodes: every question's; with --requests-per-level K the first K x c of them, with
-    --requests N exactly N, taken in turn and repeated past the last (neither system caches prefixes here, so a
-    repeat costs what a new prompt does). Both take them round-robin over the categories, so that every level
-    samples all of them."""
+    """The first turns level c decodes: every question's; with --requests-per-level K, K x c of them, with
+    --requests N exactly N, taken in turn and repeated past the last (so a level above the question count still
+    holds K requests per slot; neither system caches prefixes here, so a repeat costs what a new prompt does). Both
+    take them round-robin over the categories, so that every level samples all of them."""
     k, n = getattr(a, "requests_per_level", None), getattr(a, "requests", None)
     if not (k or n):
         return questions
@@ -193,7 +193,7 @@ def level_questions(questions: list[dict], a, c: int) -> list[dict]:
         order.append((rank[q["category"]], i))
         rank[q["category"]] += 1
     every = [questions[i] for _, i in sorted(order)]
-    n = min(k * c, len(every)) if k else n
+    n = k * c if k else n
     return [every[i % len(every)] for i in range(n)]
 
 
@@ -670,8 +670,8 @@ def register(sub) -> None:
     # off by default: a load level repeats its questions past the last (--requests), and a cached prompt would
     # measure the cache, not the engine
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False, help=PREFIX_CACHE_HELP)
-    p.add_argument("--requests-per-level", type=int, help="with --concurrency: level c decodes only the first "
-                   "c x this many first turns (default: all of them at every level)")
+    p.add_argument("--requests-per-level", type=int, help="with --concurrency: level c decodes c x this many first "
+                   "turns, repeated past the last where there are fewer (default: all of them at every level)")
     p.add_argument("--requests", type=int, help="with --concurrency: every level decodes this many first turns, "
                    "the selected ones in turn, repeated past the last (issue 36's 1,000-request load)")
     p.add_argument("--batched-only", action="store_true", help="with --concurrency: only the batched levels, no "
