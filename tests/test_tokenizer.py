@@ -41,3 +41,18 @@ def test_text_stream_waits_then_gives_the_whole_character():
     assert text_of(ids) == "🚀"
     cut = TextStream(tok)
     assert cut(ids[:1], final=True) == tok.decode(ids[:1])  # final: the incomplete text as decode() has it
+
+
+@pytest.mark.parametrize("key", ["smollm2-135m", "gemma-3-270m", QWEN])
+def test_prompts_ids_in_one_call_are_each_prompts_own(key):
+    """A batch of prompts, encoded in one call, gives each prompt the ids it gets alone: raw text, chat messages and
+    a str as one user turn (gemma-3-270m, a base model, has no chat template)."""
+    tok = Tokenizer(resolve_engine(key))
+    texts = [TEXT, "Translate German to English: Pfandhäuser boomen in Singapur", "", "a " * 300]
+    assert tok.prompts_ids(texts, False) == [tok.encode(t) for t in texts]
+    if tok.chat_template is None:
+        return
+    chats = [[{"role": "user", "content": t}] for t in texts]
+    want = [tok.encode(tok.apply_chat(m)) for m in chats]
+    assert tok.prompts_ids(chats, True) == want == tok.prompts_ids(texts, True)
+    assert [tok.prompt_ids(m, True) for m in chats] == want and len(set(map(len, want))) == len(want)

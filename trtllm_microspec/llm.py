@@ -320,7 +320,7 @@ class LLM:
             params = SamplingParams(**sampling)  # each request draws from its own generator seeded with params.seed
             sched = self.scheduler()
             with self._lock:
-                reqs = [sched.add(self.prompt_ids(p, chat), m, params) for p, m in zip(prompt, budgets)]
+                reqs = [sched.add(ids, m, params) for ids, m in zip(self.tokenizer.prompts_ids(prompt, chat), budgets)]
                 sched.run(reqs)
             return [self.result(r) for r in reqs]
         gen = self.stream_tokens(prompt, max_new_tokens, chat, incremental=False, **sampling)

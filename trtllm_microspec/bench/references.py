@@ -296,7 +296,7 @@ class VLLMReference:
         from ..llm import is_prompt_list
 
         many = is_prompt_list(prompt)
-        ids = [self.tokenizer.prompt_ids(p, chat) for p in (prompt if many else [prompt])]
+        ids = self.tokenizer.prompts_ids(prompt if many else [prompt], chat)
         if max(map(len, ids)) >= self.max_len:
             raise UserError(f"a prompt has {max(map(len, ids))} tokens; vllm's context holds {self.max_len}")
         sp = [self.SamplingParams(temperature=0.0, max_tokens=min(max_new_tokens, self.max_len - len(i)),
@@ -320,7 +320,7 @@ class VLLMReference:
 
         t_submit = time.perf_counter()  # every request's submission (the bench times them from its own t0 before it)
         engine = self.llm.llm_engine
-        ids = [self.tokenizer.prompt_ids(p, chat) for p in prompts]
+        ids = self.tokenizer.prompts_ids(prompts, chat)
         if max(map(len, ids)) >= self.max_len:
             raise UserError(f"a prompt has {max(map(len, ids))} tokens; vllm's context holds {self.max_len}")
         waiting = list(range(len(ids)))[::-1]

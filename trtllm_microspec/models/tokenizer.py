@@ -41,10 +41,14 @@ class Tokenizer:
 
     def prompt_ids(self, prompt: str | list[dict], chat: bool) -> list[int]:
         """Token ids of a prompt: raw text, or chat messages (a str becomes one user turn) through the template."""
+        return self.prompts_ids([prompt], chat)[0]
+
+    def prompts_ids(self, prompts: list[str | list[dict]], chat: bool) -> list[list[int]]:
+        """prompt_ids of each prompt, encoded in one call: the tokenizers library spreads a batch over the cores
+        (240 Spec-Bench prompts, 74k tokens, are ~90 ms one by one on this repository's 2-core CPU)."""
         if chat:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            return self.encode(self.apply_chat(messages))
-        return self.encode(prompt)
+            prompts = [self.apply_chat([{"role": "user", "content": p}] if isinstance(p, str) else p) for p in prompts]
+        return [e.ids for e in self.fast.encode_batch(prompts, add_special_tokens=False)]
 
 
 class TextStream:
