@@ -45,7 +45,8 @@ class Tokenizer:
 
     def prompts_ids(self, prompts: list[str | list[dict]], chat: bool) -> list[list[int]]:
         """prompt_ids of each prompt, encoded in one call: the tokenizers library spreads a batch over the cores
-        (240 Spec-Bench prompts, 74k tokens, are ~90 ms one by one on this repository's 2-core CPU)."""
+        (240 Spec-Bench prompts with qwen2.5's template, 74k tokens: 43 ms, against 94 ms one by one, on this
+        repository's 2-core CPU; part of every request's TTFT when a batch is submitted at once)."""
         if chat:
             prompts = [self.apply_chat([{"role": "user", "content": p}] if isinstance(p, str) else p) for p in prompts]
         return [e.ids for e in self.fast.encode_batch(prompts, add_special_tokens=False)]
