@@ -309,7 +309,8 @@ print(f"\nto ship it: cp {new}/config.json {new}/model.safetensors trtllm_micros
 EOF
       fi ;;
     policy)
-      # 43 first turns of each of the 6 Spec-Bench categories: 258, enough for the 256 level
+      # 43 first turns of each of the 6 Spec-Bench categories (258), level c decodes POLICY_K x c of them, repeated
+      # past the last where there are fewer
       ms bench --engine "$KEY" --draft "$HEAD" --methods "$POLICY_METHODS" --concurrency "$POLICY_LEVELS" \
         --requests-per-level "$POLICY_K" --batched-only --limit 43 \
         --categories mt_bench,translation,summarization,qa,math_reasoning,rag --max-new-tokens "$POLICY_TOKENS" \
