@@ -312,7 +312,8 @@ def test_vllm_engine_loop_times_from_submission(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", fake)
     ref = object.__new__(VLLMReference)
     ref.method, ref.max_len, ref.eos_ids = "vllm", 64, [0]
-    ref.tokenizer = SimpleNamespace(prompt_ids=lambda p, chat: [1, 2, 3], decode=lambda ids: "x" * len(ids))
+    ref.tokenizer = SimpleNamespace(prompts_ids=lambda ps, chat: [[1, 2, 3] for _ in ps],
+                                    decode=lambda ids: "x" * len(ids))
     ref.SamplingParams, ref.TokensPrompt = SimpleNamespace, dict
     engine = _FakeVLLMEngine()
     ref.llm = SimpleNamespace(llm_engine=engine)
