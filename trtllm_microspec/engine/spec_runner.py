@@ -210,9 +210,9 @@ class SpecRunner(BatchRunner):
     def prompts_pay(self) -> bool:
         """Whether the requests whose prompts start now speculate (`_admit`): not where the batch they join -- the
         running requests and those queued behind them (`queued`, the scheduler's), up to max_batch -- is too big
-        for any tree to pay at the calibrated costs (policy.pays). Only with the costs calibrated (calibrate: at
-        start-up on CUDA); without (the CPU's, measured on first need by timings that vary run to run), every
-        request speculates."""
+        for any tree to pay at the policy's step costs (calibrated, corrected by the steps run: policy.pays). Only
+        with the costs calibrated (calibrate: at start-up on CUDA); without (the CPU's, measured on first need by
+        timings that vary run to run), every request speculates."""
         if not self.calibrated:
             return True
         n = min(self.max_batch, self.max_batch - len(self.free_slots) + self.queued)
