@@ -215,6 +215,10 @@ def test_concurrency_table(engine_dir, random_draft_dir, tmp_path):
     assert [b["steps"]["as_ar"] for b in res["runs"]["microspec"]["batched"]] == [0, 0]
     assert [b["steps"]["graph_first_uses"] for b in res["runs"]["microspec"]["batched"]] == [0, 0]  # no graphs
     assert [b["steps"]["step_costs"] for b in res["runs"]["microspec"]["batched"]] == [None, None]  # fixed: none
+    for b in res["runs"]["ar"]["batched"] + res["runs"]["microspec"]["batched"]:  # submission, then the steps
+        s = b["steps"]
+        assert 0 < s["first_step_ms"] and 0 < s["steps_total_ms"] and s["first_step_ms"] + s["steps_total_ms"] <= \
+            b["wall_s"] * 1e3
     from trtllm_microspec.bench.specbench import tree_cell
     assert tree_cell({"tree_sizes": {1: 5, 60: 3}, "as_ar": 2}) == "60: 3, 1: 5; 2 requests as AR's"
 

@@ -249,7 +249,7 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
         s["mismatches"] = None if not ar_ids else sum(r.token_ids != ar_ids[q["qid"], 0]
                                                       for q, r in zip(questions, results))
         if ours:
-            s["steps"] = step_summary(model.scheduler())
+            s["steps"] = step_summary(model.scheduler(), t0)
             rounds = sum(r.stats.get("rounds") or 0 for r in results)  # speculative rounds (no plain steps)
             s["acceptance_length"] = sum(r.stats.get("round_tokens") or 0 for r in results) / rounds if rounds \
                 else None
@@ -269,12 +269,15 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
     return out
 
 
-def step_summary(sched) -> dict:
+def step_summary(sched, t0: float | None = None) -> dict:
     """The measured pass's steps from the scheduler's record: how many, how many ran prompt chunks, the rows
-    of target work per step, preemptions, and the host time per step."""
+    of target work per step, preemptions, the host time per step, and (t0: the level's submission) how long the
+    submission took before the first step began and the steps' time in all (the rest of the wall: between steps)."""
     recs = list(sched.history)
     ran = [r for r in recs if r.tokens]
-    return {"steps": len(ran), "mixed_steps": sum(1 for r in ran if r.chunks),
+    at = {} if t0 is None or not recs else {"first_step_ms": (recs[0].start - t0) * 1e3,
+                                             "steps_total_ms": sum(r.step_s for r in recs) * 1e3}
+    return {"steps": len(ran), "mixed_steps": sum(1 for r in ran if r.chunks), **at,
             "tokens_per_step": percentiles([r.tokens for r in ran]),
             "preempted": sum(r.preempted for r in recs),
             "step_ms": percentiles([r.step_s * 1e3 for r in ran]),

@@ -95,6 +95,7 @@ class StepRecord:
     running: int  # requests in the batch after the boundary
     waiting: int
     tree: int = 0  # target rows per decoding request: the speculation policy's tree size, 1 a plain step
+    start: float = 0.0  # host: perf_counter when the step began (its boundary)
     plan_s: float = 0.0  # host: the boundary and the schedule
     step_s: float = 0.0  # host: the whole step, the pass and the emission included
     launch_s: float | None = None  # host: the pass's launch alone, its tokens not awaited (overlap; None without)
@@ -321,7 +322,7 @@ class Scheduler:
         rec = StepRecord(len(decodes), [c for _, c in chunks], len(decodes) * self.decode_rows +
                          sum(c for _, c in chunks), preempted, len(self.running), len(self.waiting),
                          self.decode_rows if decodes else 0)
-        rec.plan_s = time.perf_counter() - t0
+        rec.start, rec.plan_s = t0, time.perf_counter() - t0
         if self.overlap and (chunks or decodes) and self.runner.overlappable(chunks, decodes):
             rec.events = self._events()
             t_start = time.perf_counter()
