@@ -2,8 +2,8 @@
 # The server under load beside the offline engine (issue 36): one `microspec serve --openai-port`, the Spec-Bench
 # first turns of the load stage repeated to REQUESTS at each of LEVELS over gRPC and over the OpenAI endpoint
 # (`microspec bench --server`: streamed, chat template, greedy; the same requests once unmeasured first), then the
-# offline engine on the same requests (`bench --concurrency ... --requests ... --batched-only`, ar and METHOD), and the
-# three side by side.
+# offline engine on the same requests (`bench --concurrency ... --requests ... --prefix-cache --batched-only`, ar and
+# METHOD; the prefix cache on as in the server), and the three side by side.
 # Run from the repo root (python3.12 with CUDA torch):
 #   bash benchmarks/gpu_serve_load.sh ENGINE_DIR_OR_KEY [DRAFT_DIR]
 # Needs what gpu_serve_check.sh needs (nvidia-pytriton + tritonclient in SERVE_SITE, numpy<2 in STUB_SITE) and
@@ -41,8 +41,9 @@ for api in grpc openai; do
 done
 kill -TERM $SERVE && wait $SERVE || true
 trap - EXIT
+# with the prefix cache, as the server runs (its default): the same prompts repeat in both
 "${MS[@]}" bench --engine "$ENGINE" "${DRAFT[@]}" --device "$DEVICE" --methods "ar,$METHOD" --concurrency "$LEVELS" \
-  --requests "$REQUESTS" --batched-only --limit "$LIMIT" --categories "$CATS" --max-new-tokens "$MAX_TOKENS" --warmup 1 \
+  --requests "$REQUESTS" --prefix-cache --batched-only --limit "$LIMIT" --categories "$CATS" --max-new-tokens "$MAX_TOKENS" --warmup 1 \
   --out "$OUT/offline" 2>&1 | grep -E "tok/s|rror"
 python3 - "$OUT" "$METHOD" <<'EOF'
 import json, sys

@@ -336,3 +336,37 @@ def test_prefix_cache_next_turn(engine_dir, overlap):
     sched.blocks.release(-1)
     e, = run(sched, again)
     assert e.stats.cached_tokens == 0 and e.out == b.out and sched.blocks.used == 0
+
+
+def test_prefix_cache_for_requests_that_decode_as_ar(engine_dir, random_draft_dir, monkeypatch):
+    """A speculative method's request that decodes as AR's (no tree pays at the batch it joins) takes the prefix
+    cache's blocks as AR's does, those a speculating request left too; one that speculates prefills its whole prompt
+    whatever the cache holds. Every output is AR's (fp32), and the pool gets every block back."""
+    from trtllm_microspec.engine.spec_runner import SpecRunner
+
+    ref = LLM(engine_dir, "ar", device="cpu", max_batch=2, prefix_cache=False).scheduler()
+    llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    sched = llm.scheduler()
+    pays = [True]
+    monkeypatch.setattr(SpecRunner, "prompts_pay", lambda self: pays[0])
+
+    def run(s, *prompts):
+        reqs = [s.add(p, 16) for p in prompts]
+        s.run(reqs)
+        s.step()  # the boundary after the last step: their blocks are back
+        return reqs
+
+    first = llm.prompt_ids(CASES[0][0] + " Answer in one long sentence about its history.", True)
+    a, = run(sched, first)  # speculates: its rounds commit the KV its blocks are registered under
+    assert a.stats.speculative is True and a.stats.rounds > 0 and a.stats.cached_tokens == 0
+    again = first + a.out + llm.tokenizer.encode("\nAnd of Italy? " * 4)
+    want = run(ref, again)[0].out
+    b, = run(sched, again)  # speculates too: its whole prompt, though the cache holds its start
+    pays[0] = False
+    c, d = run(sched, again, again)  # decode as AR's: both start from the cached blocks
+    fed = len(first) + len(a.out) - 1  # the first turn's last token was never fed back
+    assert b.stats.speculative is True and b.stats.cached_tokens == 0
+    assert c.stats.speculative is d.stats.speculative is False
+    assert c.stats.cached_tokens == d.stats.cached_tokens >= fed // KV_BLOCK * KV_BLOCK > 0
+    assert a.out == run(ref, first)[0].out and b.out == c.out == d.out == want
+    assert sched.blocks.used == 0

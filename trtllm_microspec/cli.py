@@ -16,9 +16,10 @@ from .models.registry import DEFAULT_MODEL, MODELS, UserError
 OVERLAP_HELP = ("the batched engine schedules and launches each AR step (and each plain step of a speculative method) "
                 "while the one before runs on the GPU, reading its tokens one step late (default: on; --no-overlap: "
                 "synchronous)")
-PREFIX_CACHE_HELP = ("AR's batched engine keeps the KV blocks of requests that ended and starts a new request from "
+PREFIX_CACHE_HELP = ("the batched engine keeps the KV blocks of requests that ended and starts a new request from "
                      "those holding its prompt's start, prefilling only the rest (a conversation's next turn, a "
-                     "shared system prompt; default: on, bench: off for ours and vLLM alike)")
+                     "shared system prompt): AR's requests and a speculative method's that decode as AR's (default: "
+                     "on, bench: off for ours and vLLM alike)")
 FEATURE_MODULES = [
     "trtllm_microspec.vocab.frequency",
     "trtllm_microspec.train.train_draft",

@@ -131,9 +131,10 @@ class LLM:
         None: DEFAULT_OVERLAP, on).
         k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node, the rejected
         ones too (None: k_tree_for's default, 3 for microspec, 0 for the paper's window and the ablations).
-        prefix_cache: AR's batched engine keeps the KV blocks of requests that ended and gives a new request the
-        ones that start its prompt, prefilling only the rest (engine/block_manager.py; a speculative method's
-        requests prefill their whole prompt)."""
+        prefix_cache: the batched engine keeps the KV blocks of requests that ended and gives a new request the
+        ones that start its prompt, prefilling only the rest (engine/block_manager.py): AR's requests, and a
+        speculative method's that decode as AR's; one that speculates prefills its whole prompt (its window and
+        draft state start from every row of it)."""
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.engine_dir = resolve_engine(engine)
@@ -293,7 +294,7 @@ class LLM:
             else:
                 runner = SpecRunner(self.target, self.draft, self.vocab, self.tree, self.k_pre, self.k_ver,
                                     self.max_batch, self.kv_memory, self.cuda_graphs, self.max_num_tokens,
-                                    self.spec_policy, k_tree=self.k_tree)
+                                    self.spec_policy, k_tree=self.k_tree, prefix_cache=self.prefix_cache)
                 if self.cuda_graphs:  # the policy's step costs measured now, every graph it may pick captured
                     runner.calibrate()
             self._scheduler = Scheduler(runner, self.max_batch, self.overlap)

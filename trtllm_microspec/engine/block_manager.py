@@ -4,20 +4,21 @@ The pool is sized by a memory budget (`--kv-memory`): a fraction of the GPU's fr
 (on the CPU always GiB). An AR request's blocks grow with it (`grow`: the slots of each step, as it is scheduled),
 so the pool holds the tokens that exist, not every request's worst case; when a step cannot have its blocks the
 scheduler preempts (engine/scheduler.py). A speculative request gets, when it joins, every block it can ever use
-(`allocate`: prompt + max_tokens + the slots a round writes past its committed length: its window and draft state
+(one `grow` to prompt + max_tokens + the slots a round writes past its committed length: its window and draft state
 could not be recomputed token for token). One that can never fit, even alone, is refused.
 Block 0 is kept out of the free list: padding rows of a batch bucket write there.
 
-Prefix caching (`prefix_cache`, AR's pool): a request that leaves (finished, cancelled or preempted) registers its
-full blocks under their tokens and the chain of blocks before them, and its blocks go back to the free list still
-holding their KV. A request that joins takes the longest run of registered blocks that starts its prompt (`match`)
-and prefills only the rest: a conversation's next turn computes its new turn, not its history again, and a
-preempted request resumes from its own blocks if they are still there. A block shared by running requests is
-counted once per holder (`refs`) and goes back when the last lets it go; free blocks are handed out unregistered
-ones first, then registered ones least recently freed first, the end of a run before its start (its start is what
-other prompts share). vLLM's automatic prefix caching and SGLang's radix cache do the same; their writes into a
-shared block are avoided the same way here: only full blocks are shared, and a prompt's last token is always
-computed (its logits give the first token).
+Prefix caching (`prefix_cache`): a request that leaves (finished, cancelled or preempted) registers its full blocks
+under their tokens and the chain of blocks before them, and its blocks go back to the free list still holding their KV
+(the target's, of its committed tokens, whichever method made them). A request that joins (AR's, or a speculative
+method's that decodes as AR's: runner.shares_prefix) takes the longest run of registered blocks that starts its prompt
+(`match`) and prefills only the rest: a conversation's next turn computes its new turn, not its history again, and a
+preempted request resumes from its own blocks if they are still there. A block shared by running requests is counted
+once per holder (`refs`) and goes back when the last lets it go; free blocks are handed out unregistered ones first,
+then registered ones least recently freed first, the end of a run before its start (its start is what other prompts
+share). vLLM's automatic prefix caching and SGLang's radix cache do the same; their writes into a shared block are
+avoided the same way here: only full blocks are shared, and a prompt's last token is always computed (its logits give
+the first token).
 """
 from __future__ import annotations
 
@@ -108,12 +109,6 @@ class BlockManager:
             if b in self.key_of:
                 del self.cached[self.key_of.pop(b)[0]]
         return out
-
-    def allocate(self, rid: int, slots: int) -> list[int]:
-        need = self.blocks_for(slots)
-        assert rid not in self.owned and need <= len(self.free)
-        self.owned[rid] = self._take(need)
-        return self.owned[rid]
 
     def match(self, rid: int, tokens: list[int]) -> list[int]:
         """Request rid (holding nothing yet) takes the registered blocks that hold the longest run of full blocks

@@ -121,8 +121,7 @@ class BatchRunner:
                  prefix_cache: bool = False):
         """slot_bytes: bytes a caller keeps per pool slot beside the KV (SpecRunner.prompt_rows), so the
         pool's budget counts them. prefix_cache: a joining request takes the KV of its prompt's start from the blocks
-        earlier requests left (block_manager.py; AR's pool alone: a speculative request's window and draft state
-        start from its whole prompt)."""
+        earlier requests left (block_manager.py), where `shares_prefix` lets it."""
         c, dev, dtype = target.cfg, target.cache.k.device, target.cache.k.dtype
         self.target, self.max_batch, self.device = target, max_batch, dev
         self.stop_ids = list(c.eos_ids)
@@ -147,7 +146,7 @@ class BatchRunner:
         check_fits(f"the block table of max_batch {max_batch}", (max_batch + 1) * width * 8, dev)
         # under --tp every rank schedules alike: the same pool on each (the smallest of their free memories)
         self.blocks = BlockManager(parallel.agree(pool_blocks(kv_memory, self.block_bytes, dev), dev, "min"),
-                                   -(-c.max_seq_len // KV_BLOCK), prefix_cache and self.grows)
+                                   -(-c.max_seq_len // KV_BLOCK), prefix_cache)
         self.cache = KVCache(c, c.num_layers, dtype, dev, slots=self.blocks.num_blocks * KV_BLOCK)
         # one table row per batch slot, plus the padding slot (all block 0)
         self.table = torch.zeros(max_batch + 1, width, dtype=torch.long, device=dev)
@@ -184,6 +183,10 @@ class BatchRunner:
     def slots_for(self, prompt: list[int], max_new_tokens: int) -> int:
         """A request stops at max_seq_len whatever its budget (Scheduler: "length"), as on the single path."""
         return min(len(prompt) + max_new_tokens + self.reserve, self.target.cfg.max_seq_len)
+
+    def shares_prefix(self, req) -> bool:
+        """Whether req, joining now, may start from the prefix cache's blocks (AR: always)."""
+        return True
 
     def join(self, req, blocks: list[int]) -> None:
         """req takes a batch slot; its table row is cleared and given `blocks` at the step's map_blocks (one copy

@@ -276,14 +276,16 @@ class Scheduler:
             if not self.blocks.can_allocate(req.seq_len + reserve if self.runner.grows else
                                             self.runner.slots_for(req.prompt, req.max_new_tokens)):
                 break  # waits for blocks that running requests will free
+            self.runner.queued = len(self.waiting)  # the load it joins (a speculative runner decides by it)
             self.waiting.popleft()
-            if self.runner.grows:  # its prompt's start from the prefix cache, if there (none without one)
-                blocks = self.blocks.match(req.rid, req.chunk(req.seq_len))
-                req.prefilled = req.n = KV_BLOCK * len(blocks)
-                req.stats.cached_tokens += req.prefilled
-            else:
-                blocks = self.blocks.allocate(req.rid, self.runner.slots_for(req.prompt, req.max_new_tokens))
-            self.runner.join(req, blocks)
+            # its prompt's start from the prefix cache, if there (none without one), where its runner lets it
+            # start so (AR's; a speculative method's request that decodes as AR's)
+            cached = self.blocks.match(req.rid, req.chunk(req.seq_len) if self.runner.shares_prefix(req) else [])
+            req.prefilled = req.n = KV_BLOCK * len(cached)
+            req.stats.cached_tokens += req.prefilled
+            if not self.runner.grows:  # every block it can ever use, now
+                self.blocks.grow(req.rid, self.runner.slots_for(req.prompt, req.max_new_tokens))
+            self.runner.join(req, self.blocks.owned[req.rid])
             self.running.append(req)
             c = min(budget, req.seq_len - req.prefilled)
             assert self._grow(req, req.prefilled + c)

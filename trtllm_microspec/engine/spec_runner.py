@@ -44,7 +44,8 @@ class SpecRunner(BatchRunner):
     `draft.head_in(h)` (the vocabulary head's input) only. A step with prompt chunks packs them as AR does (BatchRunner.pack, no padding
     rows, under the token budget alone; graphed up to graph_rows) and runs the draft over the same rows, and the
     LM head's top-K_pre over them; a request that joins a batch too big for any tree to pay decodes as AR's
-    (`_admit`), and a step of such requests alone is AR's step; when the
+    (decided as it joins: `shares_prefix`; it may start from the prefix cache), and a step of such requests alone is
+    AR's step; when the
     step's shape is plain, the decode rows go into the same target and draft pass; a tree's round runs after the
     chunks' pass. A request's blocks are all taken when it joins: its window and draft state could not be
     recomputed token for token after a preemption, so none is preempted."""
@@ -55,16 +56,17 @@ class SpecRunner(BatchRunner):
     def __init__(self, target: Transformer, draft, vocab, tree: TreeConfig, k_pre: int, k_ver: int,
                  max_batch: int, kv_memory: float | None = None, cuda_graphs: bool = False,
                  max_num_tokens: int | None = None, spec_policy: str = "auto", costs: StepCosts | None = None,
-                 k_tree: int = 0):
+                 k_tree: int = 0, prefix_cache: bool = False):
         """spec_policy: auto (engine/policy.py: each step's tree from the step's cost and the requests' acceptance)
         or fixed (always `tree`); costs: the policy's cost model (None: measured by timing padding rounds).
-        k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node (see _round)."""
+        k_tree: a MicroSpec window also takes the target's top-k_tree ids at every verified tree node (see _round).
+        prefix_cache: the pool's prefix cache, for the requests that decode as AR's (`shares_prefix`)."""
         shapes = tree_shapes(tree, spec_policy)
         window_pre = isinstance(vocab, Window) and vocab.use_prompt  # it keeps prompt_rows (below)
         super().__init__(target, max_batch, kv_memory, cuda_graphs, draft_cfg=draft.cfg,
                          reserve=max(round_reserve(t) for t in shapes if t),
                          max_num_tokens=max_num_tokens,
-                         slot_bytes=(1 + k_pre) * 8 if window_pre else 0)
+                         slot_bytes=(1 + k_pre) * 8 if window_pre else 0, prefix_cache=prefix_cache)
         self.draft, self.tree, self.k_pre, self.k_ver, self.k_tree = draft, tree, k_pre, k_ver, k_tree
         self.shapes = shapes
         self.policy = SpecPolicy(shapes, spec_policy, costs or StepCosts(self.measure))
@@ -112,17 +114,27 @@ class SpecRunner(BatchRunner):
         # per batch slot: whether its request speculates (decided at its prompt's first pass: `_admit`), None: not yet
         self.speculates: list[bool | None] = [None] * (max_batch + 1)
 
+    def shares_prefix(self, req) -> bool:
+        """Whether req, joining now, speculates is decided here (prompts_pay, as `_admit` would at its first step),
+        and one that decodes as AR's may start from the prefix cache's blocks: it needs only their target KV, which
+        every request that left there held for its committed tokens (a speculating one too). One that speculates
+        prefills its whole prompt: its window and draft state start from every row of it."""
+        if req.stats.speculative is None:
+            req.stats.speculative = self.prompts_pay()
+        return not req.stats.speculative
+
     def join(self, req, blocks: list[int]) -> None:
         super().join(req, blocks)
         self.lags[req.slot] = 0
-        self.speculates[req.slot] = None
+        self.speculates[req.slot] = req.stats.speculative  # None: decided at its first step (`_admit`)
 
     def _admit(self, chunks: list[tuple]) -> None:
-        """Whether each request whose prompt starts this step speculates: not where the batch it joins is too big
-        for any tree to pay (prompts_pay). Such a request decodes as AR's to its end -- AR's passes, its draft never
-        run, no window, no lag buffer -- so that a batch of them costs what AR's costs (at 64 and 256 requests on
-        the H100 the draft's prompt pass, lag buffers and catch-ups made microspec 0.67x / 0.90x AR while every
-        step but probes ran plain). Decided once: a request never speculates later, when its batch shrinks."""
+        """Whether each request whose prompt starts this step speculates, where its join did not decide it
+        (`shares_prefix`): not where the batch it joins is too big for any tree to pay (prompts_pay). Such a request
+        decodes as AR's to its end -- AR's passes, its draft never run, no window, no lag buffer -- so that a batch
+        of them costs what AR's costs (at 64 and 256 requests on the H100 the draft's prompt pass, lag buffers and
+        catch-ups made microspec 0.67x / 0.90x AR while every step but probes ran plain). Decided once: a request
+        never speculates later, when its batch shrinks."""
         new = [req for req, _ in chunks if self.speculates[req.slot] is None]
         if new:
             pay = self.prompts_pay()
@@ -208,11 +220,11 @@ class SpecRunner(BatchRunner):
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
     def prompts_pay(self) -> bool:
-        """Whether the requests whose prompts start now speculate (`_admit`): not where the batch they join -- the
-        running requests and those queued behind them (`queued`, the scheduler's), up to max_batch -- is too big
-        for any tree to pay at the policy's step costs (calibrated, corrected by the steps run: policy.pays). Only
-        with the costs calibrated (calibrate: at start-up on CUDA); without (the CPU's, measured on first need by
-        timings that vary run to run), every request speculates."""
+        """Whether the requests whose prompts start now speculate (`shares_prefix`, `_admit`): not where the batch
+        they join -- the running requests and those queued behind them (`queued`, the scheduler's), up to max_batch
+        -- is too big for any tree to pay at the policy's step costs (calibrated, corrected by the steps run:
+        policy.pays). Only with the costs calibrated (calibrate: at start-up on CUDA); without (the CPU's, measured
+        on first need by timings that vary run to run), every request speculates."""
         if not self.calibrated:
             return True
         n = min(self.max_batch, self.max_batch - len(self.free_slots) + self.queued)
