@@ -306,6 +306,15 @@ def test_prefix_cache_blocks():
     assert bm.match(7, list(range(1000, 1100))) == [4, 5, 6] and bm.match(8, toks) == [1]
 
 
+def run_to_end(sched, *prompts: list[int]) -> list:
+    """Requests of `prompts` (24 new tokens each) stepped to their end, and the boundary after their last step:
+    their blocks are back."""
+    reqs = [sched.add(p, 24) for p in prompts]
+    sched.run(reqs)
+    sched.step()
+    return reqs
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_prefix_cache_next_turn(engine_dir, overlap):
     """A conversation's next turn prefills only its new turn: its history's full blocks come from the blocks the
@@ -315,13 +324,7 @@ def test_prefix_cache_next_turn(engine_dir, overlap):
     c = LLM(engine_dir, "ar", device="cpu", max_batch=4, overlap=overlap)
     plain = LLM(engine_dir, "ar", device="cpu", max_batch=4, overlap=overlap, prefix_cache=False)
     sched, ref = c.scheduler(), plain.scheduler()
-
-    def run(s, *prompts):
-        reqs = [s.add(p, 24) for p in prompts]
-        s.run(reqs)
-        s.step()  # the boundary after the last step: their blocks are back
-        return reqs
-
+    run = run_to_end
     first = c.prompt_ids(CASES[0][0] + " Answer in one long sentence about its history.", True)
     a, = run(sched, first)
     again = first + a.out + c.tokenizer.encode("\nAnd of Italy? " * 4)
@@ -345,17 +348,12 @@ def test_prefix_cache_for_requests_that_decode_as_ar(engine_dir, random_draft_di
     from trtllm_microspec.engine.spec_runner import SpecRunner
 
     ref = LLM(engine_dir, "ar", device="cpu", max_batch=2, prefix_cache=False).scheduler()
-    llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
+    # fixed: a speculating request runs rounds whatever the CPU's timings (auto weighs them)
+    llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=2, spec_policy="fixed", **SPEC)
     sched = llm.scheduler()
     pays = [True]
     monkeypatch.setattr(SpecRunner, "prompts_pay", lambda self: pays[0])
-
-    def run(s, *prompts):
-        reqs = [s.add(p, 16) for p in prompts]
-        s.run(reqs)
-        s.step()  # the boundary after the last step: their blocks are back
-        return reqs
-
+    run = run_to_end
     first = llm.prompt_ids(CASES[0][0] + " Answer in one long sentence about its history.", True)
     a, = run(sched, first)  # speculates: its rounds commit the KV its blocks are registered under
     assert a.stats.speculative is True and a.stats.rounds > 0 and a.stats.cached_tokens == 0
