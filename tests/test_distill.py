@@ -6,6 +6,7 @@ shards, and bad data directories end in one line. Also the token losses: the chu
 its ids."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -15,12 +16,12 @@ import torch.nn.functional as F
 
 from trtllm_microspec import LLM
 from trtllm_microspec.cli import main
-from trtllm_microspec.data import sharegpt_conversations
+from trtllm_microspec.data import prompts_file, sharegpt_conversations
 from trtllm_microspec.engine.loader import load_target
 from trtllm_microspec.models.registry import UserError
 from trtllm_microspec.train import train_draft
 from trtllm_microspec.engine.scheduler import StepRecord
-from trtllm_microspec.train.distill import MANIFEST, _steps_line, distill, load_distilled, read_shard
+from trtllm_microspec.train.distill import FILE_SOURCE, MANIFEST, _steps_line, distill, load_distilled, read_shard
 from trtllm_microspec.train.train_draft import SoftCE, loss_head, plan_rows, train
 
 TOKENS = 8  # new tokens per answer: the CPU is slow
@@ -108,6 +109,81 @@ def test_time_limit_keeps_what_finished(engine_dir, convs, tmp_path):
         assert 1 <= len(got) < TOKENS and got == want[c][:len(got)]
     rest = distill(engine_dir, tmp_path, turns=1, max_tokens=TOKENS, device="cpu", data=convs[:4])
     assert rest["run"]["conversations"] == 4 - r["conversations"] and rest["conversations"] == 4
+
+
+def jsonl(path, lines: list) -> str:
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def test_prompts_file_formats(tmp_path):
+    """Each line's formats (a string; Spec-Bench's turns; OpenAI's messages, system dropped; ShareGPT's
+    conversations, a leading answer dropped) give its user turns in order; blank lines are skipped; the sha256 is
+    the file's."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join([json.dumps("Say hi"), "", json.dumps({"turns": ["a", "b"]}),
+                            json.dumps({"messages": [{"role": "system", "content": "s"},
+                                                     {"role": "user", "content": "u1"},
+                                                     {"role": "assistant", "content": "x"},
+                                                     {"role": "user", "content": "u2"}]}),
+                            json.dumps({"conversations": [{"from": "gpt", "value": "g"},
+                                                          {"from": "human", "value": "h1"}]})]) + "\n")
+    convs, sha = prompts_file(f)
+    assert [[m["content"] for m in c if m["role"] == "user"] for c in convs] == [["Say hi"], ["a", "b"], ["u1", "u2"],
+                                                                                 ["h1"]]
+    assert sha == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert prompts_file(f, 2)[0] == convs[:2]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('"ok"\n{"turns": ["a"\n', "p.jsonl:2: not a JSON line ("),
+    ('"ok"\n\n7\n', "p.jsonl:3: not a conversation; each line is a JSON string"),
+    ('{"text": "hi"}\n', "p.jsonl:1: not a conversation"),
+    ('{"turns": []}\n', "p.jsonl:1: holds no user turn with text"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}\n', "p.jsonl:1: holds no user turn with text"),
+    ('"  "\n', "p.jsonl:1: holds no user turn with text"),
+    ("\n \n", "p.jsonl holds no prompts"),
+    (b"\xff\n", "p.jsonl is not UTF-8 text (byte 0)"),
+])
+def test_bad_prompts_files(tmp_path, text, message):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(UserError) as e:
+        prompts_file(f)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="cannot read the prompts file"):
+        prompts_file(tmp_path / "missing.jsonl")
+
+
+def test_distill_from_a_prompts_file(engine_dir, convs, shards, tmp_path):
+    """--prompts: the target answers the file's user turns (its own answers, as from ShareGPT's); the manifest names
+    the file by its sha256, so a copy elsewhere continues the run and another file is refused; training on it with
+    ShareGPT mixed in leaves out of ShareGPT none of its conversations (the held-out indices are the file's, not
+    ShareGPT's), where a directory of ShareGPT's prompts leaves out those it holds out."""
+    firsts = [c[0]["content"] for c in convs[:3]]
+    f = jsonl(tmp_path / "mine.jsonl", [firsts[0], {"turns": [firsts[1]]},
+                                        {"messages": [{"role": "user", "content": firsts[2]}]}])
+    out = tmp_path / "d"
+    r = distill(engine_dir, out, turns=2, max_tokens=TOKENS, device="cpu", prompts=f)
+    seqs, m = load_distilled(out, engine_dir)
+    assert r["run"]["conversations"] == 3 and sorted(c for c, _, _ in seqs) == [0, 1, 2]
+    assert m["prompt_source"] == FILE_SOURCE + hashlib.sha256(open(f, "rb").read()).hexdigest()
+    llm = LLM(engine_dir, "ar", device="cpu", max_batch=4)
+    want = [res.token_ids for res in llm.generate(firsts, TOKENS, chat=True)]
+    for c, ids, mask in seqs:
+        assert answers(ids, mask) and answers(ids, mask)[0][:len(want[c])] == want[c]
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(open(f, "rb").read())
+    assert distill(engine_dir, out, turns=2, max_tokens=TOKENS, device="cpu", prompts=copy)["run"]["answers"] == 0
+    with pytest.raises(UserError, match="other settings"):
+        distill(engine_dir, out, turns=2, max_tokens=TOKENS, device="cpu", prompts=jsonl(tmp_path / "o.jsonl", ["x"]))
+    tok = llm.tokenizer
+    n_sharegpt = len(train_draft.tokenize(tok, convs, 128, "train"))
+    seqs, n_first, _, _ = train_draft.training_data(engine_dir, tok, 128, 0.34, None, convs, out, True, None)
+    assert (n_first, len(seqs) - n_first) == (2, n_sharegpt)  # 1 of 3 held out; ShareGPT whole
+    given, _, _ = shards  # the conversations of `convs`, by their indices: the held-out one leaves ShareGPT too
+    seqs, n_first, _, _ = train_draft.training_data(engine_dir, tok, 128, 0.1, None, convs, given, True, None)
+    assert (n_first, len(seqs) - n_first) == (9, len(train_draft.tokenize(tok, convs[:9] + convs[10:], 128, "t")))
 
 
 def test_bad_data_dirs(engine_dir, shards, tmp_path):
@@ -327,7 +403,7 @@ TRAIN_FUSED = """
 import json, sys
 from plugins.check_layers import fix_interpreter
 fix_interpreter()
-from trtllm_microspec.data import sharegpt_conversations
+from trtllm_microspec.data import prompts_file, sharegpt_conversations
 from trtllm_microspec.train import fused_ce
 from trtllm_microspec.train.train_draft import train
 fused_ce.BLOCK = 16384  # 3 kernel steps a row at smollm2's 49,152 ids: the interpreter's cost is per step

@@ -609,15 +609,17 @@ def training_data(engine_dir: Path, tok: Tokenizer, max_len: int, heldout: float
     """-> (train sequences in priority order, how many come first (distilled), held-out sequences, description).
     Sources: ShareGPT (the default, or `data`), and/or a `microspec distill` directory. The held-out part is the last
     `heldout` fraction of the conversations of heldout_data (default: the distilled directory if any, else ShareGPT's);
-    when it is a distilled directory, those conversations' ShareGPT indices are left out of every training source, so
-    arms with different data score on the same held-out text (the target's own answers)."""
+    when it is a distilled directory, those conversations are left out of every training source (of ShareGPT's too,
+    unless that directory's prompts were a --prompts file's), so arms with different data score on the same held-out text (the
+    target's own answers)."""
     from ..data import sharegpt_conversations
-    from .distill import load_distilled
+    from .distill import FILE_SOURCE, load_distilled
 
-    dist = load_distilled(distilled, engine_dir)[0] if distilled else []
+    dist, m_dist = load_distilled(distilled, engine_dir) if distilled else ([], None)
     held_src = heldout_data or distilled
     if held_src:
-        pool = dist if held_src == distilled else load_distilled(held_src, engine_dir)[0]
+        pool, m_held = (dist, m_dist) if held_src == distilled else load_distilled(held_src, engine_dir)
+        sharegpt_held = not m_held["prompt_source"].startswith(FILE_SOURCE)  # its indices are ShareGPT's
         pool = sorted(pool, key=lambda c: c[0])
         n_held = max(1, round(heldout * len(pool)))
         if len(pool) <= n_held and held_src == distilled:
@@ -630,7 +632,8 @@ def training_data(engine_dir: Path, tok: Tokenizer, max_len: int, heldout: float
     if not distilled or mix_sharegpt:
         convs = data if data is not None else sharegpt_conversations(conversations)
         if held_src:
-            rest = tokenize(tok, [c for i, c in enumerate(convs) if i not in held_ix], max_len, "train")
+            rest = tokenize(tok, [c for i, c in enumerate(convs) if not (sharegpt_held and i in held_ix)], max_len,
+                            "train")
         else:
             n_held = max(1, round(heldout * len(convs)))
             if len(convs) <= n_held:
@@ -909,6 +912,9 @@ def cmd_train_draft(a) -> None:
         a.distill_time, mix = DISTILL_SHARE * time_limit, True
         print(f"[train-draft] the recipe: distill {a.distill_time:.0f} s, then train on the answers + ShareGPT "
               f"(--distill-time 0: ShareGPT only)", file=sys.stderr)
+    if a.distill_prompts is not None and not a.distill_time:
+        raise UserError("--distill-prompts is what distilling answers: it goes with --distill-time N (or the recipe's "
+                        "--time-limit without --data)")
     if a.distill_time:  # one command: distill into --data (default <out>/distilled), then train on it
         from .distill import distill
         if time_limit is not None and a.distill_time >= time_limit:
@@ -918,7 +924,8 @@ def cmd_train_draft(a) -> None:
                             max_tokens=a.distill_max_tokens, max_prompt=a.distill_max_prompt,
                             temperature=a.distill_temperature, top_p=a.distill_top_p, top_k=a.distill_top_k,
                             seed=a.seed, max_batch=a.distill_max_batch, kv_memory=a.distill_kv_memory,
-                            device=a.device, time_limit=a.distill_time, prefix_cache=a.distill_prefix_cache)
+                            device=a.device, time_limit=a.distill_time, prefix_cache=a.distill_prefix_cache,
+                            prompts=a.distill_prompts)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the engine's KV pool goes back before the features are cached
@@ -944,7 +951,8 @@ def register(sub) -> None:
                                            "(ShareGPT and/or the target's own answers from `microspec distill`)")
     p.add_argument("--engine", required=True, help="engine directory or model key")
     p.add_argument("--out", required=True, help="draft directory (config.json + model.safetensors, checkpoint.pt)")
-    p.add_argument("--conversations", type=int, help="first N ShareGPT conversations (default: all)")
+    p.add_argument("--conversations", type=int, help="first N conversations of ShareGPT (and of --distill-prompts) "
+                   "(default: all)")
     p.add_argument("--data", help="a `microspec distill` directory: train on the target's own answers (alone, or "
                                   "with --mix-sharegpt); its last --heldout fraction is the held-out set")
     p.add_argument("--mix-sharegpt", action="store_true", help="with --data: also train on ShareGPT's "
