@@ -190,7 +190,7 @@ def test_every_shape_and_ablation_equals_ar(engine_dir, ar, tmp_path, method):
     runner = llm.scheduler().runner
     assert len(runner.shapes) >= 3 and runner.shapes[0] is None  # plain rows, a smaller tree, the configured one
     cycle = itertools.cycle(range(len(runner.shapes)))
-    runner.policy.choose = lambda reqs, rows: next(cycle)
+    runner.policy.choose = lambda reqs, rows, riders=0: next(cycle)
     assert llm.generate(PROMPTS[0], N, chat=True).token_ids == ar[0], method
     results = llm.generate(PROMPTS, N, chat=True)
     assert [r.token_ids for r in results] == ar, method

@@ -194,6 +194,14 @@ def test_chat_equals_offline(served, offline, stream):
     assert (usage.prompt_tokens, usage.completion_tokens) == (want.stats["prompt_tokens"], want.num_new_tokens)
 
 
+def test_a_request_may_ask_not_to_speculate(served, offline):
+    """`speculate: false` (extra_body): the same text, decoded as AR's (no round: null acceptance)."""
+    r = served.client.completions.create(model="microspec", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"speculate": False})
+    assert r.choices[0].text == offline.generate(PROMPT, MAX_TOKENS).text
+    assert r.model_extra["microspec"]["acceptance_length"] is None
+
+
 def test_sampled_with_a_seed_is_repeatable(served, offline):
     want = offline.generate(MESSAGES, MAX_TOKENS, chat=True, **SAMPLED).text
     assert want != offline.generate(MESSAGES, MAX_TOKENS, chat=True).text  # it really sampled
@@ -239,6 +247,7 @@ BAD = [({"model": "gpt-4"}, 404, "model", "the model 'gpt-4' does not exist"),
        ({"top_p": 1.5}, 400, "top_p", "top_p must be in (0, 1]"),
        ({"seed": -1}, 400, "seed", "seed: Input should be greater than or equal to 0"),
        ({"logprobs": True}, 400, "logprobs", "logprobs is not supported"),
+       ({"extra_body": {"speculate": "maybe"}}, 400, "speculate", "speculate: Input should be a valid boolean"),
        ({"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
        ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "messages.0.role: Input"),
        ({"messages": [{"role": "user", "content": "hello " * MAX_SEQ_LEN}]}, 400, None, "the prompt has"),

@@ -276,7 +276,7 @@ def test_speculative_plain_steps_overlap(engine_dir, sync, monkeypatch):
                   depth=2, top_k=3, total_tokens=8)
         sched = llm.scheduler()
         cycle = itertools.cycle(pattern)
-        sched.runner.policy.choose = lambda reqs, rows: next(cycle)
+        sched.runner.policy.choose = lambda reqs, rows, riders=0: next(cycle)
         n = counted(sched, monkeypatch)
         reqs = [sched.add(p, m, s) for p, m, s in zip(ids, budgets, params)]
         streamed = drive(sched, reqs)

@@ -155,7 +155,7 @@ def test_first_uses_are_not_timed(engine_dir, random_draft_dir):
     llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=2, **SPEC)
     runner = llm.scheduler().runner
     runner.policy.costs = StepCosts(lambda s, rows: 1.0)
-    runner.policy.choose = lambda reqs, rows: 2  # the full tree every step
+    runner.policy.choose = lambda reqs, rows, riders=0: 2  # the full tree every step
     runner.replays = lambda key: False
     llm.generate([CASES[0][0]], [CASES[0][2]])
     assert runner.policy.costs.drift == {}
@@ -203,7 +203,7 @@ def test_every_shape_equals_ar(method, engine_dir, random_draft_dir, alone):
     runner = llm.scheduler().runner
     assert [t and t.total_tokens for t in runner.shapes] == [None, 4, 8]
     cycle = itertools.cycle(range(len(runner.shapes)))
-    runner.policy.choose = lambda reqs, rows: next(cycle)
+    runner.policy.choose = lambda reqs, rows, riders=0: next(cycle)
     results = llm.generate([p for p, _, _ in CASES], [m for _, _, m in CASES])
     assert [r.token_ids for r in results] == alone
     assert set(results[0].stats["tree_sizes"]) == {1, 4, 8}, results[0].stats  # the longest ran every shape
@@ -245,7 +245,7 @@ def test_window_survives_plain_steps(engine_dir, alone):
     sched = llm.scheduler()
     runner = sched.runner
     cycle = itertools.cycle([0, 2])
-    runner.policy.choose = lambda reqs, rows: next(cycle)
+    runner.policy.choose = lambda reqs, rows, riders=0: next(cycle)
     req = sched.add(llm.prompt_ids(CASES[0][0]), 24)
     v = runner.vocab
 
@@ -294,7 +294,7 @@ def test_sampled_equals_ar_for_every_shape(engine_dir, random_draft_dir):
     llm = LLM(engine_dir, "microspec", draft=random_draft_dir, device="cpu", max_batch=4, **SPEC)
     sched = llm.scheduler()
     cycle = itertools.cycle(range(len(sched.runner.shapes)))
-    sched.runner.policy.choose = lambda reqs, rows: next(cycle)
+    sched.runner.policy.choose = lambda reqs, rows, riders=0: next(cycle)
     from trtllm_microspec.speculative.sampling import SamplingParams
     reqs = [sched.add(llm.prompt_ids(p), m, SamplingParams(**s)) for (p, _, m), s in zip(CASES, knobs)]
     sched.run(reqs)
@@ -321,7 +321,7 @@ def test_lazy_draft_state_equals_per_step(engine_dir):
         if not lazy:
             runner.lag_max = 1
         steps = list(schedule)
-        runner.policy.choose = lambda reqs, rows: steps.pop(0)
+        runner.policy.choose = lambda reqs, rows, riders=0: steps.pop(0)
         req = sched.add(llm.prompt_ids(CASES[0][0]), 200)
         seen, lags, mixed = [], [], []
         while steps and not req.done:
@@ -364,7 +364,7 @@ def test_round_variants_are_two(engine_dir):
     sched = llm.scheduler()
     runner = sched.runner
     steps = [0, 2, 2, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 2, 2]
-    runner.policy.choose = lambda reqs, rows: steps.pop(0)
+    runner.policy.choose = lambda reqs, rows, riders=0: steps.pop(0)
     keys, launch = [], runner.launch
     runner.launch = lambda key, fn: (keys.append(key), launch(key, fn))
     req = sched.add(llm.prompt_ids(CASES[0][0]), 200)
@@ -466,3 +466,53 @@ def test_step_costs_table_says_what_the_policy_weighed():
     note = step_costs_note("microspec at concurrency 16", after)
     assert note.startswith("microspec at concurrency 16: the policy's step costs")
     assert "plain 2.00 ms for 1.00 tokens = 0.50 tokens/ms" in note and "60-token tree 18.00 ms" in note
+
+
+def test_a_request_that_asks_not_to_speculate_rides_the_rounds(engine_dir, alone):
+    """SamplingParams(speculate=False): the request decodes as AR's -- no round of its own, every step of it a plain
+    one the request asked for -- while the requests beside it run their rounds (`fixed`: every step a tree), in
+    which it rides along (its tree verified, none of it taken). Every request emits AR's tokens; its draft KV, never
+    written (NaN here), touches no other request's."""
+    from trtllm_microspec.speculative.sampling import SamplingParams
+
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, spec_policy="fixed", **SPEC)
+    sched = llm.scheduler()
+    runner = sched.runner
+    runner.dcache.k.fill_(float("nan"))
+    runner.dcache.v.fill_(float("nan"))
+    rounds, launch = [], runner.launch
+    runner.launch = lambda key, fn: (rounds.append(len(sched.running)) if len(key) == 6 and key[0] == 1 else None,
+                                     launch(key, fn))
+    reqs = [sched.add(llm.prompt_ids(p, c), m, SamplingParams(speculate=i != 1)) for i, (p, c, m) in enumerate(CASES)]
+    sched.run(reqs)
+    assert [r.out for r in reqs] == alone
+    off = reqs[1].stats.summary()
+    assert off["speculative"] is False and off["rounds"] == 0 and set(off["tree_sizes"]) == {1}
+    assert off["plain_reasons"] == {"request": off["plain_steps"]} and off["plain_steps"] == len(reqs[1].out) - 1
+    assert all(r.stats.speculative and r.stats.rounds > 0 for r in (reqs[0], reqs[2]))
+    assert max(rounds) == 3  # rounds ran with all three in the batch: the one that asked not to rode them
+    with pytest.raises(UserError, match="speculate must be true or false, got 'no'"):
+        SamplingParams(speculate="no")
+
+
+def test_a_rider_takes_one_token_a_round_whatever_its_draft(engine_dir):
+    """The round takes none of a rider's tree even where its draft would be right: a request that speculated (its
+    draft state good, a round of it took more than one token) made to decode as AR's mid-way emits one token a step
+    from then on, AR's, while the request beside it goes on with its rounds."""
+    prompts = [CASES[0][0]] * 2
+    want = [LLM(engine_dir, "ar", device="cpu").generate(prompts[0], 40).token_ids] * 2
+    assert len(want[0]) == 40  # no EOS: b runs as long as a
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, spec_policy="fixed", **SPEC)
+    sched = llm.scheduler()
+    runner = sched.runner
+    a, b = reqs = [sched.add(llm.prompt_ids(p), 40) for p in prompts]
+    while max((n for _, n in a.emits), default=0) < 2:
+        sched.step()
+    assert len(a.out) < 30
+    runner.speculates[a.slot], a.stats.speculative = False, False
+    runner.rides[a.slot] = True
+    before, rounds = len(a.emits), b.stats.rounds
+    sched.run(reqs)
+    assert [r.out for r in reqs] == want
+    assert all(n == 1 for _, n in a.emits[before:]) and len(a.emits) - before >= 10
+    assert b.stats.rounds >= rounds + 10  # a rode b's rounds

@@ -308,6 +308,17 @@ def test_sampled_request_equals_offline_with_the_same_seed(server, offline):
     assert other.text != want.text
 
 
+def test_a_request_may_ask_not_to_speculate(server, offline):
+    """The speculate input (false): the request decodes as AR's -- the same text, no round (its acceptance and draft
+    vocabulary null) -- beside one that speculates at the same time."""
+    off, on = concurrently([
+        lambda: client.generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, sampling={"speculate": False}),
+        lambda: client.generate(server.grpc_url, PROMPTS[1], MAX_TOKENS)])
+    assert off.text == offline(PROMPTS[0]).text and on.text == offline(PROMPTS[1]).text
+    assert off.stats["acceptance_length"] is None and off.stats["mean_active_vocab"] is None
+    assert on.stats["acceptance_length"] >= 1
+
+
 LONG_PROMPT, LONG = "1, 2, 3, 4, 5, 6, 7, 8,", 100  # counting on: no early end of sequence
 CLIENT_THEN_KILLED = f"""
 import sys

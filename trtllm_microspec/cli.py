@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import importlib
 import json
 import os
@@ -106,7 +105,8 @@ def sampling_from_args(a: argparse.Namespace) -> dict:
     """The LLM's sampling keywords, validated now: a bad value ends the command before the model loads."""
     from .speculative.sampling import SamplingParams
 
-    return dataclasses.asdict(SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed))
+    p = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed)
+    return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed}
 
 
 def llm_from_args(a: argparse.Namespace, method: str | None = None):

@@ -228,8 +228,8 @@ class LLM:
                       incremental: bool = True, **sampling):
         """Yields (text piece, new token ids) per step; the generator's return value is the Result. The request
         runs in the batched engine as a batch of one. sampling: SamplingParams' fields (temperature, top_p,
-        top_k, seed); none given: greedy. send(True) into the generator ends the request early (stop_reason
-        "stopped"), its statistics kept."""
+        top_k, seed, speculate); none given: greedy. send(True) into the generator ends the request early
+        (stop_reason "stopped"), its statistics kept."""
         params = SamplingParams(**sampling)
         ids = self.prompt_ids(prompt, chat)
         self.check(ids, max_new_tokens)
@@ -313,7 +313,8 @@ class LLM:
                  chat: bool = False, **sampling) -> Result | list[Result]:
         """One prompt -> its Result; a list of prompts -> their Results, decoded together as one batch
         (in-flight batching: at most max_batch at once, the rest join as others finish), each with the tokens it
-        gets alone. sampling: SamplingParams' fields, for every prompt; none given: greedy."""
+        gets alone. sampling: SamplingParams' fields, for every prompt; none given: greedy (speculate=False: the
+        requests decode as AR's under a speculative method, with the same tokens)."""
         if is_prompt_list(prompt):
             budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt)
             if len(budgets) != len(prompt):

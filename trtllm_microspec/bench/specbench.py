@@ -253,7 +253,7 @@ def run_batched(model, questions: list[dict], a, label: str, sampling: dict, ar_
             rounds = sum(r.stats.get("rounds") or 0 for r in results)  # speculative rounds (no plain steps)
             s["acceptance_length"] = sum(r.stats.get("round_tokens") or 0 for r in results) / rounds if rounds \
                 else None
-            # requests that decoded as AR's: no tree paid at the batch they joined (SpecRunner._admit)
+            # requests that decoded as AR's: no tree paid at the batch they joined (SpecRunner.shares_prefix)
             s["steps"]["as_ar"] = sum(1 for r in results if r.stats.get("speculative") is False)
             # steps that met a CUDA-graph key the warm-up pass did not (an eager step or a capture): not steady
             s["steps"]["graph_first_uses"] = first_uses(model) - uses

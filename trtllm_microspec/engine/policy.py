@@ -43,7 +43,7 @@ from ..speculative.tree import TreeConfig
 POLICIES = ("auto", "fixed")
 # why the policy ran a step plain, as the statistics report it (Stats.plain_reasons): the calibrated step costs alone
 # (no tree pays even at the prior acceptance), or the acceptance the requests showed (a tree would pay at the prior)
-PLAIN_REASONS = ("cost", "acceptance")
+PLAIN_REASONS = ("cost", "acceptance", "request")  # request: it asked not to speculate (SamplingParams.speculate)
 # smaller trees the policy may pick below the configured one (each kept only if strictly smaller): the
 # "16 tokens, depth 3, top-4" tree measured in issue 22, and a chain-like 4-token one for lightly loaded big batches
 SMALLER_TREES = (TreeConfig(depth=3, top_k=4, total_tokens=16), TreeConfig(depth=1, top_k=2, total_tokens=4))
@@ -56,9 +56,9 @@ EMA = 0.2  # weight of a new observation in the running averages (acceptance rat
 PROBE = 0.02
 # how much more than plain steps a tree must be expected to return for a joining request to speculate (`pays`). A
 # step's choice is corrected by the next step's measured time; this one holds for the request's life (it decodes as
-# AR's otherwise: SpecRunner._admit) and rests on calibrated costs that read low (their padding rows: see StepCosts)
-# and on the prior acceptance: on one H100 at 64 requests a 4-token tree that the calibration put near the break-even
-# ran 254 of 287 steps at 2x a plain step's time for 1.9 tokens (0.58x AR)
+# AR's otherwise: SpecRunner.shares_prefix) and rests on calibrated costs that read low (their padding rows: see
+# StepCosts) and on the prior acceptance: on one H100 at 64 requests a 4-token tree that the calibration put near the
+# break-even ran 254 of 287 steps at 2x a plain step's time for 1.9 tokens (0.58x AR)
 PAYS_MARGIN = 1.15
 
 
@@ -125,15 +125,17 @@ class SpecPolicy:
         self.rho = 1.0  # the batch-wide acceptance ratio: where a new request starts
         self.why: str | None = None  # why the last choice was a plain step (PLAIN_REASONS), None: a tree
 
-    def choose(self, reqs: list, rows: int) -> int:
-        """The shape index of this step for `reqs` (their rows bucket `rows`)."""
+    def choose(self, reqs: list, rows: int, riders: int = 0) -> int:
+        """The shape index of this step for the speculating `reqs` and `riders` requests that decode as AR's (one
+        token each, whatever the shape), their rows bucket `rows`."""
         if self.policy == "fixed":
             return len(self.shapes) - 1
-        best = self.best(sum(self.ratio(r) for r in reqs), len(reqs), rows)
+        n = len(reqs) + riders
+        best = self.best(sum(self.ratio(r) for r in reqs), n, rows)
         # why a step runs plain, for the requests' statistics: at the prior acceptance (every ratio 1) no tree
         # returns more tokens per second than a plain step (the measured costs alone decide), or one would, and
         # the acceptance the requests showed is what keeps it plain
-        self.why = None if best else ("acceptance" if self.best(len(reqs), len(reqs), rows) else "cost")
+        self.why = None if best else ("acceptance" if self.best(len(reqs), n, rows) else "cost")
         return best
 
     def pays(self, n: int, rows: int) -> bool:

@@ -43,9 +43,10 @@ class SpecRunner(BatchRunner):
     (its input feature from the target's pass that gave h: the hidden itself, EAGLE-3 its three tapped layers) and
     `draft.head_in(h)` (the vocabulary head's input) only. A step with prompt chunks packs them as AR does (BatchRunner.pack, no padding
     rows, under the token budget alone; graphed up to graph_rows) and runs the draft over the same rows, and the
-    LM head's top-K_pre over them; a request that joins a batch too big for any tree to pay decodes as AR's
-    (decided as it joins: `shares_prefix`; it may start from the prefix cache), and a step of such requests alone is
-    AR's step; when the
+    LM head's top-K_pre over them; a request that joins a batch too big for any tree to pay, or that asks not to
+    speculate (SamplingParams.speculate), decodes as AR's (decided as it joins: `shares_prefix`; it may start from
+    the prefix cache): a step of such requests alone is AR's step, and in a round it rides along, its tree verified
+    but none of it accepted (one token, AR's); when the
     step's shape is plain, the decode rows go into the same target and draft pass; a tree's round runs after the
     chunks' pass. A request's blocks are all taken when it joins: its window and draft state could not be
     recomputed token for token after a preemption, so none is preempted."""
@@ -111,48 +112,45 @@ class SpecRunner(BatchRunner):
         # time is a plain step's cost (not a graph's first use, nor a step of requests that decode as AR's)
         self.whys: deque[tuple[str, int, bool]] = deque()
         self.calibrated = False  # every step cost the policy weighs measured (calibrate): prompts_pay may use them
-        # per batch slot: whether its request speculates (decided at its prompt's first pass: `_admit`), None: not yet
+        # per batch slot: whether its request speculates (decided as it joins: `shares_prefix`), on the host, and on
+        # the device whether it decodes as AR's (a round accepts none of its tree: `_round`)
         self.speculates: list[bool | None] = [None] * (max_batch + 1)
+        self.rides = torch.zeros(max_batch + 1, dtype=torch.bool, device=dev)
 
     def shares_prefix(self, req) -> bool:
-        """Whether req, joining now, speculates is decided here (prompts_pay, as `_admit` would at its first step),
-        and one that decodes as AR's may start from the prefix cache's blocks: it needs only their target KV, which
-        every request that left there held for its committed tokens (a speculating one too). One that speculates
-        prefills its whole prompt: its window and draft state start from every row of it."""
+        """Whether req, joining now, speculates is decided here: not where it asks not to (SamplingParams.speculate),
+        nor where the batch it joins is too big for any tree to pay (prompts_pay). Such a request decodes as AR's to
+        its end -- AR's passes, its draft never run, no window, no lag buffer -- so that a batch of them costs what
+        AR's costs (at 64 and 256 requests on the H100 the draft's prompt pass, lag buffers and catch-ups made
+        microspec 0.67x / 0.90x AR while every step but probes ran plain); decided once: it never speculates later,
+        when its batch shrinks. One that decodes as AR's may start from the prefix cache's blocks: it needs only
+        their target KV, which every request that left there held for its committed tokens (a speculating one too).
+        One that speculates prefills its whole prompt: its window and draft state start from every row of it."""
         if req.stats.speculative is None:
-            req.stats.speculative = self.prompts_pay()
+            req.stats.speculative = req.params.speculate and self.prompts_pay()
         return not req.stats.speculative
 
     def join(self, req, blocks: list[int]) -> None:
+        if req.stats.speculative is None:  # (the scheduler asks shares_prefix first)
+            self.shares_prefix(req)
         super().join(req, blocks)
         self.lags[req.slot] = 0
-        self.speculates[req.slot] = req.stats.speculative  # None: decided at its first step (`_admit`)
-
-    def _admit(self, chunks: list[tuple]) -> None:
-        """Whether each request whose prompt starts this step speculates, where its join did not decide it
-        (`shares_prefix`): not where the batch it joins is too big for any tree to pay (prompts_pay). Such a request
-        decodes as AR's to its end -- AR's passes, its draft never run, no window, no lag buffer -- so that a batch
-        of them costs what AR's costs (at 64 and 256 requests on the H100 the draft's prompt pass, lag buffers and
-        catch-ups made microspec 0.67x / 0.90x AR while every step but probes ran plain). Decided once: a request
-        never speculates later, when its batch shrinks."""
-        new = [req for req, _ in chunks if self.speculates[req.slot] is None]
-        if new:
-            pay = self.prompts_pay()
-            for req in new:
-                self.speculates[req.slot] = req.stats.speculative = pay
+        self.speculates[req.slot] = req.stats.speculative
+        self.rides[req.slot] = not req.stats.speculative
 
     def _as_ar(self, chunks: list[tuple], decodes: list) -> bool:
-        """Whether every request of this step decodes as AR's (`_admit`): then the step is AR's own."""
-        self._admit(chunks)
+        """Whether every request of this step decodes as AR's (`shares_prefix`): then the step is AR's own."""
         return all(self.speculates[r.slot] is False for r in [req for req, _ in chunks] + decodes)
 
     def _choose(self, reqs: list, Bb: int) -> int:
-        """The policy's shape for a decode step of `reqs`: plain where any of them decodes as AR's (one shape a
-        step), and why ("cost": it joined where no tree paid)."""
-        if any(self.speculates[r.slot] is False for r in reqs):
+        """The policy's shape for a decode step of `reqs`: the speculating ones' expected tokens against the step's
+        cost, the ones that decode as AR's counted for one token whatever the shape (in a round they ride along:
+        `_round`); plain where none speculates ("cost")."""
+        spec = [r for r in reqs if self.speculates[r.slot]]
+        if not spec:
             self.policy.why = "cost"
             return 0
-        return parallel.agree(self.policy.choose(reqs, Bb), self.device)
+        return parallel.agree(self.policy.choose(spec, Bb, len(reqs) - len(spec)), self.device)
 
     def step(self, chunks: list[tuple], decodes: list) -> tuple[list[list[int] | None], list[list[int]]]:
         """Without chunks, the (graph-captured) round of the planned shape. With chunks, one packed target pass and
@@ -163,7 +161,7 @@ class SpecRunner(BatchRunner):
             self.planned = None
             firsts, decoded = BatchRunner.step(self, chunks, decodes)
             for r in decodes:
-                self.count_step(r.stats, 1, "cost")
+                self.count_step(r, 1)
             return firsts, decoded
         if not chunks:
             return [], self.decode(decodes) if decodes else []
@@ -216,11 +214,11 @@ class SpecRunner(BatchRunner):
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
         for r, lag in zip(decodes, lags):  # a plain step's one token is no acceptance: its size and why only
             self.lags[r.slot] = lag + 1 if self.speculates[r.slot] else 0  # (one decoding as AR's never catches up)
-            self.count_step(r.stats, 1)
+            self.count_step(r, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
     def prompts_pay(self) -> bool:
-        """Whether the requests whose prompts start now speculate (`shares_prefix`, `_admit`): not where the batch
+        """Whether the requests that join now may speculate (`shares_prefix`): not where the batch
         they join -- the running requests and those queued behind them (`queued`, the scheduler's), up to max_batch
         -- is too big for any tree to pay at the policy's step costs (calibrated, corrected by the steps run:
         policy.pays). Only with the costs calibrated (calibrate: at start-up on CUDA); without (the CPU's, measured
@@ -290,12 +288,14 @@ class SpecRunner(BatchRunner):
         else:
             res = self.out[:B].tolist()  # the one host read per round
         took = time.perf_counter() - t0 if t0 is not None else None
-        self.policy.observe(reqs, shape, Bb, [row[0] + 1 for row in res], took)
-        size_of = self.shapes[shape].total_tokens if self.shapes[shape] else 1
+        spec = [(r, row[0] + 1) for r, row in zip(reqs, res) if r.stats.speculative]  # (riders accept nothing)
+        self.policy.observe([r for r, _ in spec], shape, Bb, [t for _, t in spec], took)
+        tree_size = self.shapes[shape].total_tokens if self.shapes[shape] else 1
         out = []
         for r, (k, size, covered, *emitted) in zip(reqs, res):
             s = r.stats
-            self.count_step(s, size_of)
+            size_of = tree_size if s.speculative else 1  # one that decodes as AR's rode the round: a plain step
+            self.count_step(r, size_of)
             if size_of > 1:  # speculative rounds only: a plain step's one token is no acceptance
                 s.rounds += 1
                 s.round_tokens += k + 1
@@ -352,12 +352,17 @@ class SpecRunner(BatchRunner):
         self.whys.append((self.policy.why, Bb, t0 is not None))  # counted when its tokens are read (`read`)
         return self.launched([(r, False) for r in decodes], self.next[:len(decodes)])
 
-    def count_step(self, stats, size: int, why: str | None = None) -> None:
-        """A decoding step of `size` tree tokens in a request's statistics; a plain one (1) with the policy's why
-        (`why`: an overlapped step's, chosen before the steps since)."""
+    def count_step(self, req, size: int, why: str | None = None) -> None:
+        """A decoding step of `size` tree tokens in a request's statistics; a plain one (1) with why it was plain:
+        a request that decodes as AR's, because it asked ("request") or joined where no tree paid ("cost"); one that
+        speculates, the policy's why (`why`: an overlapped step's, chosen before the steps since)."""
+        stats = req.stats
         stats.tree_sizes[size] = stats.tree_sizes.get(size, 0) + 1
         if size == 1:
-            why = why or self.policy.why
+            if stats.speculative is False:
+                why = "cost" if req.params.speculate else "request"
+            else:
+                why = why or self.policy.why
             stats.plain_reasons[why] = stats.plain_reasons.get(why, 0) + 1
 
     def read(self, reqs: list, seconds: float | None) -> None:
@@ -370,7 +375,7 @@ class SpecRunner(BatchRunner):
         if timed and seconds is not None:
             self.policy.timed(0, Bb, seconds)
         for r in reqs:
-            self.count_step(r.stats, 1, why)
+            self.count_step(r, 1, why)
 
     def measure(self, shape: int, Bb: int) -> float:
         """Seconds of one step of `shape` over Bb padding rows (the policy's cost calibration): the same launch,
@@ -483,6 +488,9 @@ class SpecRunner(BatchRunner):
             rows, pos = slots[:, None].expand(Bb, N).flatten(), (n[:, None] + 1 + tree.depth).flatten()
         choice = self.sampler.choose(logits.view(Bb * N, V), rows, pos, mode)
         path, k, emitted = accept(tree, choice.view(Bb, N), P)
+        # a request that decodes as AR's rode the round (its tree from a draft never run on its text): none of its
+        # tree is taken, its one token is the root's, AR's own
+        k = torch.where(self.rides.index_select(0, slots), 0, k)
         valid = steps[None, :] <= k[:, None]
         size = vocab.size(slots)
         covered = (vocab.contains(slots, emitted) & valid).sum(1)

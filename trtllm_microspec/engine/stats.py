@@ -21,7 +21,8 @@ class Stats:
     # its plain steps by why the speculation policy ran them plain (engine/policy.py PLAIN_REASONS)
     plain_reasons: dict = field(default_factory=dict)
     # batched engine, a speculative method: whether the request speculated (True), or decoded as AR's to its end
-    # (False: no tree paid at the batch it joined, SpecRunner._admit); None: AR, or not through the batched engine
+    # (False: it asked not to, or no tree paid at the batch it joined: SpecRunner.shares_prefix); None: AR, or not
+    # through the batched engine
     speculative: bool | None = None
     prefill_s: float = 0.0  # target prefill (+ top-K_pre, window start and draft prefill)
     # the engine runs a round as one launch (one CUDA graph): a request has decode_s (the steps it took part in)

@@ -27,7 +27,7 @@ MAX_STOP_WORDS = 32
 STAT_OUTPUTS = ("num_input_tokens", "num_output_tokens", "num_cached_tokens", "acceptance_length",
                 "mean_active_vocab")
 SAMPLING_INPUTS = {"temperature": (np.float32, "FP32"), "top_p": (np.float32, "FP32"), "top_k": (np.int32, "INT32"),
-                   "random_seed": (np.uint64, "UINT64")}
+                   "random_seed": (np.uint64, "UINT64"), "speculate": (np.bool_, "BOOL")}
 
 
 # Triton's gRPC stream carries a failed response's message only (no status code), so its class is read from the
@@ -85,7 +85,7 @@ def _grpc():
 
 def make_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, chat: bool = False,
                 end_id: int | None = None, stop_words: list[str] | None = None, sampling: dict | None = None) -> list:
-    """sampling: any of SAMPLING_INPUTS by name (temperature, top_p, top_k, random_seed); none: greedy."""
+    """sampling: any of SAMPLING_INPUTS by name (temperature, top_p, top_k, random_seed, speculate); none: greedy."""
     grpcclient = _grpc()
 
     def tensor(name, values, dtype, triton_type):
@@ -301,7 +301,8 @@ def cmd_client(a: argparse.Namespace) -> None:
                         ("--requests", a.requests, 0)):
         need(name, v, lo)
     sampling = {"temperature": s["temperature"], "top_p": s["top_p"], "top_k": s["top_k"],
-                **({"random_seed": s["seed"]} if s["seed"] is not None else {})}
+                **({"random_seed": s["seed"]} if s["seed"] is not None else {}),
+                **({"speculate": False} if a.no_speculate else {})}
     kw = dict(stream=not a.no_stream, chat=a.chat, end_id=a.end_id, stop_words=a.stop, model=a.model,
               sampling=sampling)
     if a.requests:
@@ -351,5 +352,7 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="load mode: parallel clients")
     p.add_argument("--requests", type=int, default=0, help="load mode: total requests (0: one streamed request)")
     p.add_argument("--json", action="store_true", help="print the result or the load report as JSON")
+    p.add_argument("--no-speculate", action="store_true", help="the requests decode as AR's on a speculative "
+                   "server (the same tokens; no draft tree of their own)")
     add_sampling_args(p)
     p.set_defaults(func=cmd_client)

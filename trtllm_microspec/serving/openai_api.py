@@ -88,6 +88,7 @@ def request_models():
         top_p: float = 1.0
         top_k: Annotated[int, Field(ge=0, lt=2 ** 31)] = 0  # vLLM's extra parameter (extra_body); 0: no limit
         seed: Annotated[int, Field(ge=0, lt=2 ** 64)] | None = None
+        speculate: bool = True  # ours (extra_body): false, the request decodes as AR's (SamplingParams.speculate)
         stop: str | list[str] | None = None
         n: int = 1
         stream: bool = False
@@ -203,7 +204,8 @@ class Front:
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS[kind]
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                    **({"random_seed": req.seed} if req.seed is not None else {})}
+                    **({"random_seed": req.seed} if req.seed is not None else {}),
+                    **({} if req.speculate else {"speculate": False})}
         try:
             inputs = make_inputs(prompt, max_tokens, stream=req.stream, stop_words=stop, sampling=sampling)
         except OverflowError as e:  # a number the model's input types cannot hold (pydantic bounds the rest)

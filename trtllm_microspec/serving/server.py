@@ -59,7 +59,8 @@ input [
   {{ name: "temperature" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
   {{ name: "top_p" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
   {{ name: "top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
-  {{ name: "random_seed" data_type: TYPE_UINT64 dims: [ 1 ] optional: true }}
+  {{ name: "random_seed" data_type: TYPE_UINT64 dims: [ 1 ] optional: true }},
+  {{ name: "speculate" data_type: TYPE_BOOL dims: [ 1 ] optional: true }}
 ]
 output [
   {{ name: "text_output" data_type: TYPE_STRING dims: [ 1 ] }},

@@ -33,8 +33,10 @@ from . import tp as tp_serving
 from .client import MAX_STOP_WORDS
 from .server import STOP_FILE_ENV
 
-# SamplingParams field -> the optional request input that sets it (TensorRT-LLM's names); none given: greedy
-SAMPLING_INPUTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "random_seed"}
+# SamplingParams field -> the optional request input that sets it (TensorRT-LLM's names); none given: greedy (and
+# speculate: false, a request that decodes as AR's under a speculative method)
+SAMPLING_INPUTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "random_seed",
+                   "speculate": "speculate"}
 # config.pbtxt parameters that are numbers (the rest are strings); left out or empty: the LLM's default
 NUMBERS = {"w_max": int, "k_pre": int, "k_ver": int, "k_tree": int, "static_k": int, "depth": int, "top_k": int,
            "total_tokens": int, "max_seq_len": int, "max_batch": int, "max_num_tokens": int, "kv_memory": float,

@@ -48,9 +48,15 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of most likely tokens whose mass reaches top_p
     top_k: int = 0  # keep the top_k most likely tokens; 0: no limit
     seed: int | None = None  # None: a fresh random seed per request
+    # False: under a speculative method this request decodes as AR's (no draft tree of its own: it rides its batch's
+    # rounds for one token a step); its tokens are the same either way (vLLM's and SGLang's users ask for it: a
+    # request the head cannot help, or traffic the operator knows speculation does not pay for)
+    speculate: bool = True
 
     def __post_init__(self):
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
+        if not isinstance(self.speculate, bool):
+            raise UserError(f"speculate must be true or false, got {self.speculate!r}")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if t > FLOAT32_MAX:  # the sampler holds it as a float32
