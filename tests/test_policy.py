@@ -516,3 +516,25 @@ def test_a_rider_takes_one_token_a_round_whatever_its_draft(engine_dir):
     assert [r.out for r in reqs] == want
     assert all(n == 1 for _, n in a.emits[before:]) and len(a.emits) - before >= 10
     assert b.stats.rounds >= rounds + 10  # a rode b's rounds
+
+
+def test_joins_of_a_step_ask_the_policy_once(engine_dir):
+    """Whether the requests joining in one step speculate is one answer (the batch they join is the same for each:
+    under --tp each answer is a broadcast): three joining together ask policy.pays once; one joining later asks
+    again, and its answer is its own batch's (the mocked costs: a tree pays for one request, not for more)."""
+    llm = LLM(engine_dir, "microspec", device="cpu", max_batch=4, **SPEC)
+    sched = llm.scheduler()
+    runner = sched.runner
+    runner.policy.costs = StepCosts(lambda s, rows: 1.0 if s == 0 or rows == 1 else 10.0)
+    runner.calibrate()
+    asked, pays = [], runner.policy.pays
+    runner.policy.pays = lambda n, rows: (asked.append(n), pays(n, rows))[1]
+    p, c, m = CASES[0]
+    reqs = [sched.add(llm.prompt_ids(p, c), m) for _ in range(3)]
+    sched.step()
+    assert all(r.slot >= 0 for r in reqs) and asked == [3]
+    assert [r.stats.speculative for r in reqs] == [False] * 3
+    sched.run(reqs)
+    late = sched.add(llm.prompt_ids(p, c), m)
+    sched.run([late])
+    assert asked == [3, 1] and late.stats.speculative is True

@@ -112,6 +112,7 @@ class SpecRunner(BatchRunner):
         # time is a plain step's cost (not a graph's first use, nor a step of requests that decode as AR's)
         self.whys: deque[tuple[str, int, bool]] = deque()
         self.calibrated = False  # every step cost the policy weighs measured (calibrate): prompts_pay may use them
+        self.joins_pay: bool | None = None  # prompts_pay's answer for the step's joins (None: not asked yet)
         # per batch slot: whether its request speculates (decided as it joins: `shares_prefix`), on the host, and on
         # the device whether it decodes as AR's (a round accepts none of its tree: `_round`)
         self.speculates: list[bool | None] = [None] * (max_batch + 1)
@@ -225,8 +226,16 @@ class SpecRunner(BatchRunner):
         on first need by timings that vary run to run), every request speculates."""
         if not self.calibrated:
             return True
-        n = min(self.max_batch, self.max_batch - len(self.free_slots) + self.queued)
-        return bool(parallel.agree(int(self.policy.pays(n, batch_bucket(n, self.max_batch))), self.device))
+        if self.joins_pay is None:  # once for the step's joins: n is the same for each (one more running, one fewer
+            # queued), and under --tp each answer is a broadcast and a host read
+            n = min(self.max_batch, self.max_batch - len(self.free_slots) + self.queued)
+            self.joins_pay = bool(parallel.agree(int(self.policy.pays(n, batch_bucket(n, self.max_batch))),
+                                                 self.device))
+        return self.joins_pay
+
+    def map_blocks(self, updates: list[tuple[int, int, int]]) -> None:
+        super().map_blocks(updates)
+        self.joins_pay = None  # the step's joins are over (map_blocks ends every schedule): the next step asks anew
 
     def _packed(self, p: Packed, mode: str, pre: bool = True) -> torch.Tensor:
         """`packed`'s device work, what its graph replays: the target's pass, every row's top-K_pre into
