@@ -60,6 +60,8 @@ def test_policy_picks_what_pays():
     policy = SpecPolicy(shapes, "auto", StepCosts(lambda s, rows: cost[s]))
     reqs = requests(None, None)
     assert policy.choose(reqs, 2) == 2
+    # one of the two decoding as AR's (a rider: one token whatever the shape): the other's tokens alone must pay
+    assert policy.choose(reqs[:1], 2, riders=1) == 0 and policy.why == "cost"
     for _ in range(20):  # rounds that accept nothing (1 token each): speculation no longer pays
         policy.observe(reqs, 2, 2, [1, 1], 1.6)
     assert all(r.accept_ratio < 0.05 for r in reqs) and policy.choose(reqs, 2) == 0
