@@ -511,7 +511,7 @@ def test_a_rider_takes_one_token_a_round_whatever_its_draft(engine_dir):
     while max((n for _, n in a.emits), default=0) < 2:
         sched.step()
     assert len(a.out) < 30
-    runner.speculates[a.slot], a.stats.speculative = False, False
+    a.stats.speculative = False
     runner.rides[a.slot] = True
     before, rounds = len(a.emits), b.stats.rounds
     sched.run(reqs)

@@ -113,9 +113,8 @@ class SpecRunner(BatchRunner):
         self.whys: deque[tuple[str, int, bool]] = deque()
         self.calibrated = False  # every step cost the policy weighs measured (calibrate): prompts_pay may use them
         self.joins_pay: bool | None = None  # prompts_pay's answer for the step's joins (None: not asked yet)
-        # per batch slot: whether its request speculates (decided as it joins: `shares_prefix`), on the host, and on
-        # the device whether it decodes as AR's (a round accepts none of its tree: `_round`)
-        self.speculates: list[bool | None] = [None] * (max_batch + 1)
+        # per batch slot on the device: whether its request decodes as AR's (req.stats.speculative False, decided as it
+        # joins: `shares_prefix`), so that a round accepts none of its tree (`_round`)
         self.rides = torch.zeros(max_batch + 1, dtype=torch.bool, device=dev)
 
     def shares_prefix(self, req) -> bool:
@@ -132,22 +131,19 @@ class SpecRunner(BatchRunner):
         return not req.stats.speculative
 
     def join(self, req, blocks: list[int]) -> None:
-        if req.stats.speculative is None:  # (the scheduler asks shares_prefix first)
-            self.shares_prefix(req)
-        super().join(req, blocks)
+        super().join(req, blocks)  # (the scheduler asked shares_prefix first: req.stats.speculative is decided)
         self.lags[req.slot] = 0
-        self.speculates[req.slot] = req.stats.speculative
         self.rides[req.slot] = not req.stats.speculative
 
     def _as_ar(self, chunks: list[tuple], decodes: list) -> bool:
         """Whether every request of this step decodes as AR's (`shares_prefix`): then the step is AR's own."""
-        return all(self.speculates[r.slot] is False for r in [req for req, _ in chunks] + decodes)
+        return all(r.stats.speculative is False for r in [req for req, _ in chunks] + decodes)
 
     def _choose(self, reqs: list, Bb: int) -> int:
         """The policy's shape for a decode step of `reqs`: the speculating ones' expected tokens against the step's
         cost, the ones that decode as AR's counted for one token whatever the shape (in a round they ride along:
         `_round`); plain where none speculates ("cost")."""
-        spec = [r for r in reqs if self.speculates[r.slot]]
+        spec = [r for r in reqs if r.stats.speculative]
         if not spec:
             self.policy.why = "cost"
             return 0
@@ -189,7 +185,7 @@ class SpecRunner(BatchRunner):
             after = req.prompt[req.prefilled + 1:req.prefilled + c + 1]  # one short at the prompt's end
             nxt += after + [0] * (c - len(after))
         # top-K_pre where a prompt of the pass speculates (a pass of those that do not is AR's: `step`)
-        pre = self.window_pre and any(self.speculates[req.slot] for req, _ in chunks)
+        pre = self.window_pre and any(req.stats.speculative for req, _ in chunks)
         pad = self.packed_pad(chunks, decodes)
         # per row: the draft's next token (a prompt's), and a decode row's lag + 1 (0: a prompt's row)
         p = self.pack(chunks, decodes, [longs(nxt + [0] * len(decodes)),
@@ -214,7 +210,7 @@ class SpecRunner(BatchRunner):
         self.vocab.join()  # the new windows' packed rows, gathered on the copy stream
         # (no policy.observe: the step's time is mostly its chunks', not a plain step's cost)
         for r, lag in zip(decodes, lags):  # a plain step's one token is no acceptance: its size and why only
-            self.lags[r.slot] = lag + 1 if self.speculates[r.slot] else 0  # (one decoding as AR's never catches up)
+            self.lags[r.slot] = lag + 1 if r.stats.speculative else 0  # (one decoding as AR's never catches up)
             self.count_step(r, 1)
         return self.advance(chunks, decodes, tok.tolist())  # the one host read of the step
 
@@ -336,7 +332,7 @@ class SpecRunner(BatchRunner):
         timed = self.replays(key)  # a first use's time is no step's cost: the policy would shun the shape for it
         self.launch(key, lambda: self._round(shape, Bb, top, S, mode, Lb))
         for r in reqs:
-            self.lags[r.slot] = (1 if Lb else self.lags[r.slot] + 1) if plain and self.speculates[r.slot] else 0
+            self.lags[r.slot] = (1 if Lb else self.lags[r.slot] + 1) if plain and r.stats.speculative else 0
         return shape, Bb, t0 if timed else None
 
     def overlappable(self, chunks: list[tuple], decodes: list) -> bool:
